@@ -1,0 +1,49 @@
+# megatron-xdistill: `make demo` and `make test` work on a fresh clone (see README.md).
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# CPU build of torch unless a CUDA GPU is visible (keeps a multi-GB CUDA download away from CPU boxes).
+TORCH_SPEC ?= torch==2.13.0
+MCORE_SPEC ?= megatron-core==0.19.2
+
+.PHONY: install demo test test-slow lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "GPU found: installing torch with CUDA"; $(BIN)/python -m pip install -q torch; \
+	  else \
+	    echo "no GPU: installing the CPU build $(TORCH_SPEC)"; $(BIN)/python -m pip install -q "$(TORCH_SPEC)"; \
+	  fi; \
+	fi
+	@# megatron-core >= 0.17 declares Python >= 3.12; its cp311 wheel runs on 3.11 (see README).
+	@if $(BIN)/python -c "import sys; sys.exit(sys.version_info >= (3, 12))"; then \
+	  $(BIN)/python -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+demo: install
+	$(BIN)/python -m megatron_xdistill.demo
+
+test: install lint
+	@# pytest exits 5 when no test was collected; that is not a failure of the code.
+	$(BIN)/python -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; rc=0; fi; exit $$rc
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""data stage of megatron-xdistill (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""launch stage of megatron-xdistill (see DESIGN.md)."""

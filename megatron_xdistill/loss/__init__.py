@@ -1,0 +1,1 @@
+"""loss stage of megatron-xdistill (see DESIGN.md)."""

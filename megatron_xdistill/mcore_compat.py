@@ -1,0 +1,255 @@
+"""Run Megatron-Core on machines without CUDA (CPU + gloo); a no-op when CUDA is present.
+
+Megatron-Core assumes a CUDA device in many places that are not about GPU compute: RNG state
+tracking, ``torch.cuda.current_device()`` as an allocation target, streams and events around
+communication, ``device="cuda"`` buffers in the pipeline schedules, and one Triton-only import.
+Every workaround lives here, each with one line naming the Megatron code path it covers, so the
+rest of the project (and its tests) can use ``megatron.core`` exactly as on a GPU machine.
+
+Call :func:`install` before importing ``megatron.core`` (``megatron_xdistill.mcore`` does this).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import sys
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_CUDA_MODE: _CudaToCpuMode | None = None
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device is usable; then nothing in this module changes anything."""
+    return torch.cuda.is_available()
+
+
+def _cpu_if_cuda(device: Any) -> Any:
+    """Map a CUDA device spec (``"cuda"``, ``"cuda:0"``, ``0``-as-cuda, torch.device) to CPU."""
+    if isinstance(device, torch.device):
+        return torch.device("cpu") if device.type == "cuda" else device
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Redirects tensor creation/moves aimed at CUDA to the CPU.
+
+    Covers: ``torch.empty(..., device="cuda")`` in pipeline_parallel.schedules / p2p_communication,
+    ``tensor.cuda()`` in optimizer/clip_grads and dist_checkpointing, ``.to("cuda")`` everywhere.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # Covers: optimizer.clip_grads / optimizer / distrib_optimizer, which compare
+            # `param.type()` with 'torch.cuda.FloatTensor' and friends.
+            name = func(*args)
+            return "torch.cuda." + name[len("torch.") :] if name.count(".") == 1 else name
+        if func is torch.Tensor.cuda:
+            tensor = args[0]
+            non_blocking = kwargs.get("non_blocking", False)
+            return tensor.to("cpu", non_blocking=non_blocking)
+        if kwargs.get("pin_memory"):
+            # Covers: rope_utils.get_pos_emb_on_this_cp_rank (`torch.tensor(..., pin_memory=True)`).
+            kwargs["pin_memory"] = False
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_if_cuda(kwargs["device"])
+        if func in (torch.Tensor.to,) and len(args) > 1:
+            args = (args[0], _cpu_if_cuda(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stand-in for ``torch.cuda.Stream``: work on CPU is already ordered.
+
+    Covers: distributed/param_and_grad_buffer, pipeline_parallel schedules and p2p overlap streams.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event if event is not None else _NullEvent()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> _NullStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _NullEvent:
+    """Stand-in for ``torch.cuda.Event``; ``elapsed_time`` is 0 (timers use wall clock on CPU).
+
+    Covers: megatron.core.timers, pipeline_parallel utils, distributed overlap bookkeeping.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _stub_triton_paged_stash() -> None:
+    """Covers: ``import megatron.core`` -> pipeline_parallel.schedules -> moe.paged_stash, whose
+    ops module imports Triton at module level. MoE paged stash is never used on CPU; calling its
+    kernels raises."""
+    name = "megatron.core.transformer.moe.ops.paged_stash"
+    if name in sys.modules:
+        return
+    try:
+        import triton  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
+    module.GLOBAL_BLOCK_SIZE = 1024
+
+    def _unavailable(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("MoE paged stash needs Triton and a CUDA GPU")
+
+    module.paged_stash_copy_kernel = _unavailable
+    module.paged_stash_pop_kernel = _unavailable
+    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[name] = module
+
+
+def _patch_torch_cuda() -> None:
+    """Replace CUDA runtime queries that Megatron makes outside of compute with CPU answers."""
+    cuda = torch.cuda
+    # Covers: tensor_parallel layers, embeddings, grad buffers, schedules (`device=current_device()`).
+    cuda.current_device = lambda: torch.device("cpu")
+    # Covers: timers, finalize_model_grads, dist_checkpointing and optimizer `synchronize()` calls.
+    cuda.synchronize = lambda device=None: None
+    # Covers: param_and_grad_buffer / schedules / p2p communication streams and events.
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.set_stream = lambda stream: None
+    # Covers: training utilities that free cached memory.
+    cuda.empty_cache = lambda: None
+    # Covers: parallel_state.initialize_model_parallel -> `torch.cuda.set_device`-free paths.
+    cuda.set_device = lambda device: None
+    # Covers: tensor_parallel.random.model_parallel_cuda_manual_seed (`torch.cuda.manual_seed`).
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    # Covers: optimizer.clip_grads and distrib_optimizer type checks (`torch.cuda.FloatTensor`).
+    cuda.FloatTensor = torch.FloatTensor
+    cuda.HalfTensor = torch.HalfTensor
+    cuda.BFloat16Tensor = torch.BFloat16Tensor
+    cuda.IntTensor = torch.IntTensor
+    cuda.LongTensor = torch.LongTensor
+    # Covers: memory reporting in timers / logging.
+    cuda.memory_stats = lambda device=None: {}
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_allocated = lambda device=None: 0
+
+
+def _patch_rng_tracker() -> None:
+    """Covers: tensor_parallel.random.CudaRNGStatesTracker (dropout / init forks) using the CPU
+    generator in place of ``torch.cuda`` RNG state."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def _set_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_state
+    mrandom._set_cuda_rng_state = _set_state
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """The CUDA tracker's bookkeeping on the CPU generator."""
+
+        def add(self, name: str, seed: int) -> None:
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _quiet_import_warnings() -> None:
+    """Megatron warns at import about optional accelerators (TE, Apex, absl) it then does without;
+    on a CPU machine those are expected, so they are silenced (nothing else is)."""
+    for pattern in (
+        r".*Transformer Engine and Apex are not installed.*",
+        r".*Apex is not installed.*",
+        r".*absl.logging is not installed.*",
+        r".*full scope is deprecated.*",
+        r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def install() -> None:
+    """Install all CPU workarounds (idempotent). Does nothing when CUDA is available."""
+    global _INSTALLED, _CUDA_MODE
+    if _INSTALLED:
+        return
+    _INSTALLED = True
+    _quiet_import_warnings()
+    _stub_triton_paged_stash()
+    if cuda_available():
+        return
+    _patch_torch_cuda()
+    _patch_rng_tracker()
+    _CUDA_MODE = _CudaToCpuMode()
+    _CUDA_MODE.__enter__()
+
+
+def default_backend() -> str:
+    """torch.distributed backend for this machine: nccl with CUDA, gloo otherwise."""
+    return "nccl" if cuda_available() else "gloo"
+
+
+def default_device() -> torch.device:
+    """The device model shards live on: the current CUDA device, or the CPU."""
+    if cuda_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,1 @@
+"""parallel stage of megatron-xdistill (see DESIGN.md)."""

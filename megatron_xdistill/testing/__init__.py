@@ -1,0 +1,1 @@
+"""Test and benchmark support: the multi-rank harness (CPU ranks with gloo)."""

@@ -1,0 +1,1 @@
+"""training stage of megatron-xdistill (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""transport stage of megatron-xdistill (see DESIGN.md)."""
