@@ -223,6 +223,7 @@ def _quiet_import_warnings() -> None:
         r".*absl.logging is not installed.*",
         r".*full scope is deprecated.*",
         r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
+        r".*we are deprecating ShardedTensor.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
 
