@@ -6,7 +6,11 @@ communication, ``device="cuda"`` buffers in the pipeline schedules, and one Trit
 Every workaround lives here, each with one line naming the Megatron code path it covers, so the
 rest of the project (and its tests) can use ``megatron.core`` exactly as on a GPU machine.
 
-Call :func:`install` before importing ``megatron.core`` (``megatron_xdistill.mcore`` does this).
+One fix here applies on GPUs too: Megatron-Core 0.19 still reads the global parallel_state in
+one checkpoint path of models built from a ``pg_collection`` (see
+:func:`_patch_tied_embedding_checkpoint`); the student and the teacher never share that state.
+
+Call :func:`install` before using ``megatron.core`` (every module of ours that needs it does).
 """
 
 from __future__ import annotations
@@ -228,6 +232,50 @@ def _quiet_import_warnings() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+class _ParallelStateWithGroupRank:
+    """parallel_state look-alike answering the DP x CP rank from an explicit group."""
+
+    def __init__(self, real: Any, dp_cp_group: Any) -> None:
+        self._real = real
+        self._group = dp_cp_group
+
+    def get_data_parallel_rank(self, *args: Any, **kwargs: Any) -> int:
+        return self._group.rank()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _patch_tied_embedding_checkpoint() -> None:
+    """Covers: LanguageModule.tie_embeddings_and_output_weights_state_dict (PP > 1, tied
+    embeddings), which asks the global parallel_state for the DP x CP rank even when the model was
+    built from a pg_collection; with process-group collections it uses ``metadata['dp_cp_group']``.
+    Needed on GPUs too (not a CPU workaround)."""
+    from megatron.core.models.common.language_module import language_module as lm
+
+    original = lm.LanguageModule.tie_embeddings_and_output_weights_state_dict
+    if getattr(original, "_xdistill_patched", False):
+        return
+
+    def tie(self, sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key,
+            metadata=None):
+        metadata = metadata or {}
+        group = metadata.get("dp_cp_group")
+        if group is None:
+            return original(self, sharded_state_dict, output_layer_weight_key,
+                            first_stage_word_emb_key, metadata)
+        real = lm.parallel_state
+        lm.parallel_state = _ParallelStateWithGroupRank(real, group)
+        try:
+            return original(self, sharded_state_dict, output_layer_weight_key,
+                            first_stage_word_emb_key, metadata)
+        finally:
+            lm.parallel_state = real
+
+    tie._xdistill_patched = True
+    lm.LanguageModule.tie_embeddings_and_output_weights_state_dict = tie
+
+
 def install() -> None:
     """Install all CPU workarounds (idempotent). Does nothing when CUDA is available."""
     global _INSTALLED, _CUDA_MODE
@@ -236,6 +284,7 @@ def install() -> None:
     _INSTALLED = True
     _quiet_import_warnings()
     _stub_triton_paged_stash()
+    _patch_tied_embedding_checkpoint()
     if cuda_available():
         return
     _patch_torch_cuda()

@@ -1,0 +1,129 @@
+"""A model's parallel layout (TP x CP x DP x PP) as its own process-group collection.
+
+The student and the teacher each get a :class:`ModelParallelGroups` built from a Megatron-Core
+``HyperCommGrid`` over the same world (colocated) or over a slice of it (``rank_offset``), so the
+two models never share Megatron's global ``parallel_state``. Rank order follows Megatron's
+default ``tp-cp-ep-dp-pp`` (TP fastest), so node-local ranks share TP groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from megatron_xdistill import mcore_compat
+
+mcore_compat.install()
+
+from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of one model's layout. ``dp`` follows from the ranks it spans."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+                  who: str = "model") -> ParallelLayout:
+        """Layout that fills ``world_size`` ranks; DP is the rest. Errors say what to change."""
+        for name, size in (("tensor", tp), ("context", cp), ("pipeline", pp)):
+            if size < 1:
+                raise ValueError(f"{who}: {name}-model-parallel size must be >= 1, got {size}")
+        model_parallel = tp * cp * pp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"{who}: world size {world_size} is not divisible by TP x CP x PP = "
+                f"{tp} x {cp} x {pp} = {model_parallel}; change the {who} layout or the number "
+                f"of ranks"
+            )
+        return cls(tp=tp, cp=cp, pp=pp, dp=world_size // model_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) coordinates of a rank within this layout (rank relative to offset)."""
+        tp = rank % self.tp
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+
+@dataclass
+class ModelParallelGroups:
+    """One model's process groups on this rank plus its coordinates in the layout."""
+
+    layout: ParallelLayout
+    pg_collection: ProcessGroupCollection
+    grid: HyperCommGrid
+    rank_offset: int
+
+    @property
+    def member(self) -> bool:
+        """Whether this rank holds a shard of the model."""
+        rank = dist.get_rank() - self.rank_offset
+        return 0 <= rank < self.layout.world_size
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.layout.coords(dist.get_rank() - self.rank_offset)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.layout.pp - 1
+
+
+def _embedding_groups(grid: HyperCommGrid, layout: ParallelLayout) -> tuple:
+    """Groups tying the first and last pipeline stage (word embeddings) and the first stage alone
+    (position embeddings), as Megatron's parallel_state builds them."""
+    pp_ranks = grid.get_rank_enum("pp")
+    embd_ranks = [[r[0], r[-1]] if len(r) > 1 else [r[0]] for r in pp_ranks]
+    pos_ranks = [[r[0]] for r in pp_ranks]
+    embd, _ = dist.new_subgroups_by_enumeration(embd_ranks, backend=grid.backend)
+    pos_embd, _ = dist.new_subgroups_by_enumeration(pos_ranks, backend=grid.backend)
+    return embd, pos_embd
+
+
+def build_model_parallel_groups(layout: ParallelLayout, rank_offset: int = 0) -> ModelParallelGroups:
+    """Create every process group a dense GPTModel, its DDP wrapper, optimizer and schedules use.
+
+    Collective: every rank of the world must call this with the same arguments, in the same order
+    relative to other group creation (torch.distributed.new_group semantics).
+    """
+    grid = HyperCommGrid(
+        [layout.tp, layout.cp, 1, layout.dp, layout.pp],
+        ["tp", "cp", "ep", "dp", "pp"],
+        rank_offset=rank_offset,
+    )
+    pgs = ProcessGroupCollection()
+    pgs.tp = grid.create_pg("tp")
+    pgs.cp = grid.create_pg("cp")
+    pgs.pp = grid.create_pg("pp")
+    pgs.ep = grid.create_pg("ep")
+    pgs.dp = grid.create_pg("dp")
+    pgs.dp_cp = grid.create_pg(["cp", "dp"])
+    pgs.tp_cp = grid.create_pg(["tp", "cp"])
+    pgs.tp_dp = grid.create_pg(["tp", "dp"])
+    pgs.tp_dp_cp = grid.create_pg(["tp", "cp", "dp"])
+    pgs.mp = grid.create_pg(["tp", "pp"])
+    pgs.tp_ep_pp = grid.create_pg(["tp", "ep", "pp"])
+    pgs.tp_ep = grid.create_pg(["tp", "ep"])
+    pgs.expt_tp = pgs.tp
+    pgs.expt_dp = pgs.dp_cp
+    pgs.intra_dp_cp = pgs.dp_cp
+    pgs.intra_expt_dp = pgs.dp_cp
+    pgs.embd, pgs.pos_embd = _embedding_groups(grid, layout)
+    return ModelParallelGroups(layout=layout, pg_collection=pgs, grid=grid, rank_offset=rank_offset)
