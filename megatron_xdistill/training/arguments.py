@@ -1,0 +1,174 @@
+"""Command-line arguments of ``pretrain_xdistill.py``, in Megatron-LM's names and style.
+
+Teacher-side arguments mirror the student's with a ``--teacher-`` prefix. :func:`validate_args`
+checks everything that can be checked before any model is built and says what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+
+KD_LOSSES = ("pkl", "gold", "hkl")
+TOPK_MODES = ("global", "chunk")
+
+
+def _parallel(parser: argparse.ArgumentParser, prefix: str, who: str) -> None:
+    group = parser.add_argument_group(f"{who} parallelism")
+    group.add_argument(f"--{prefix}tensor-model-parallel-size", type=int, default=1,
+                       help=f"{who}: tensor parallel size (TP)")
+    group.add_argument(f"--{prefix}pipeline-model-parallel-size", type=int, default=1,
+                       help=f"{who}: pipeline parallel size (PP)")
+    group.add_argument(f"--{prefix}context-parallel-size", type=int, default=1,
+                       help=f"{who}: context parallel size (CP); DP is what remains")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """All arguments, grouped as in Megatron-LM."""
+    p = argparse.ArgumentParser(
+        prog="pretrain_xdistill.py",
+        description="Cross-tokenizer knowledge distillation on Megatron-Core "
+        "(run with torchrun).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _parallel(p, "", "student")
+    _parallel(p, "teacher-", "teacher")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks")
+
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--load", required=True,
+                   help="student checkpoint: a converted model (xdistill-convert) or a --save dir")
+    g.add_argument("--teacher-load", required=True, help="teacher checkpoint (xdistill-convert)")
+    g.add_argument("--save", default=None, help="directory for training checkpoints")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
+
+    g = p.add_argument_group("tokenizers and projection")
+    g.add_argument("--tokenizer-model", required=True, help="student HF tokenizer directory")
+    g.add_argument("--teacher-tokenizer-model", required=True,
+                   help="teacher HF tokenizer directory")
+    g.add_argument("--projection-path", default=None,
+                   help="projection file (xdistill-projection build); built on the fly if omitted")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", required=True,
+                   help="training files ([weight] path ...): .jsonl/.parquet/.arrow/.txt")
+    g.add_argument("--valid-data-path", nargs="+", default=None, help="held-out files")
+    g.add_argument("--text-field", default="text", help="field/column holding the text")
+    g.add_argument("--seq-length", type=int, required=True, help="student sequence length")
+    g.add_argument("--teacher-seq-length", type=int, default=None,
+                   help="teacher sequence length (default: 2 x --seq-length)")
+    g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where packing plans are cached (default: <save>/data_cache)")
+    g.add_argument("--seed", type=int, default=1234, help="data order and initialisation seed")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None,
+                   help="default: --train-iters")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
+
+    g = p.add_argument_group("distillation")
+    g.add_argument("--kd-loss", choices=KD_LOSSES, default="pkl",
+                   help="projected KL (pkl), gold/ULD hybrid (gold) or H-KL (hkl)")
+    g.add_argument("--kd-temperature", type=float, default=1.0)
+    g.add_argument("--kd-topk", type=int, default=0,
+                   help="teacher columns shipped: 0 = full vocabulary; N = top-N (see mode)")
+    g.add_argument("--kd-topk-mode", choices=TOPK_MODES, default="chunk",
+                   help="global: one top-N column set per micro-batch (NeMo-RL vocab_topk); "
+                   "chunk: top-N per chunk plus a tail bucket")
+    g.add_argument("--kd-reverse", action="store_true", help="reverse KL (student || teacher)")
+    g.add_argument("--kd-weight", type=float, default=1.0)
+    g.add_argument("--ce-weight", type=float, default=0.0)
+    g.add_argument("--kd-dynamic-scaling", action="store_true",
+                   help="L = sg(CE / KD) * KD + CE (weights ignored)")
+
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--metrics-file", default=None, help="JSON Lines file of logged metrics")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    return p
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check sizes and paths up front; fill derived values. Messages say what to change."""
+    if args.teacher_seq_length is None:
+        args.teacher_seq_length = 2 * args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    for who, prefix in (("student", ""), ("teacher", "teacher_")):
+        tp = getattr(args, f"{prefix}tensor_model_parallel_size")
+        pp = getattr(args, f"{prefix}pipeline_model_parallel_size")
+        cp = getattr(args, f"{prefix}context_parallel_size")
+        flag = "--" + prefix.replace("_", "-")
+        _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
+        _check(world_size % (tp * pp * cp) == 0,
+               f"world size {world_size} is not divisible by the {who}'s TP x PP x CP = "
+               f"{tp} x {pp} x {cp}; change {flag}tensor-model-parallel-size / "
+               f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size or the number "
+               f"of ranks (torchrun --nproc-per-node)")
+        seq = args.seq_length if who == "student" else args.teacher_seq_length
+        _check(seq % (2 * cp) == 0 if cp > 1 else True,
+               f"{who} sequence length {seq} must be divisible by 2 x context-parallel size "
+               f"({2 * cp})")
+    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                        * args.context_parallel_size)
+    _check(args.global_batch_size % (args.micro_batch_size * dp) == 0,
+           f"--global-batch-size {args.global_batch_size} must be a multiple of "
+           f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x {dp}")
+    t_dp = world_size // (args.teacher_tensor_model_parallel_size
+                          * args.teacher_pipeline_model_parallel_size
+                          * args.teacher_context_parallel_size)
+    _check(args.global_batch_size % t_dp == 0,
+           f"--global-batch-size {args.global_batch_size} must be a multiple of the teacher's "
+           f"data-parallel size {t_dp}")
+    _check(args.teacher_seq_length >= args.seq_length // 2,
+           f"--teacher-seq-length {args.teacher_seq_length} is too short for --seq-length "
+           f"{args.seq_length}: the teacher must cover the student's text (use about "
+           f"1-2 x --seq-length depending on the tokenizers)")
+    _check(args.kd_temperature > 0, "--kd-temperature must be > 0")
+    _check(args.kd_topk >= 0, "--kd-topk must be >= 0 (0 = full teacher vocabulary)")
+    _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")
+    _check(args.kd_weight > 0 or args.ce_weight > 0 or args.kd_dynamic_scaling,
+           "--kd-weight and --ce-weight are both 0: nothing to train")
+    for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),
+                       ("--tokenizer-model", args.tokenizer_model),
+                       ("--teacher-tokenizer-model", args.teacher_tokenizer_model)):
+        _check(os.path.isdir(path), f"{flag}: no such directory: {path}")
+    if args.projection_path is not None:
+        _check(os.path.isfile(args.projection_path),
+               f"--projection-path: no such file: {args.projection_path}")
+    if args.save_interval is not None:
+        _check(args.save is not None, "--save-interval needs --save")
+    if args.eval_interval is not None:
+        _check(args.valid_data_path is not None, "--eval-interval needs --valid-data-path")
+    if args.data_cache_path is None:
+        args.data_cache_path = os.path.join(args.save, "data_cache") if args.save else None
+    return args
+
+
+def parse_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
+    """Parse and validate; argparse errors exit with usage, ours raise ValueError."""
+    args = build_parser().parse_args(argv)
+    return validate_args(args, world_size)

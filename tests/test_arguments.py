@@ -1,0 +1,51 @@
+"""Argument validation says what to change before anything is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_xdistill.training.arguments import parse_args
+
+
+@pytest.fixture
+def base(tmp_path):
+    for name in ("student", "teacher", "s_tok", "t_tok"):
+        (tmp_path / name).mkdir()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    return [
+        "--load", str(tmp_path / "student"), "--teacher-load", str(tmp_path / "teacher"),
+        "--tokenizer-model", str(tmp_path / "s_tok"),
+        "--teacher-tokenizer-model", str(tmp_path / "t_tok"),
+        "--data-path", str(data), "--seq-length", "64", "--micro-batch-size", "1",
+        "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-4",
+    ]
+
+
+def test_defaults_are_derived(base):
+    args = parse_args(base, world_size=4)
+    assert args.teacher_seq_length == 128 and args.lr_decay_iters == 3
+    assert args.kd_loss == "pkl"
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--tensor-model-parallel-size", "3"], 4,
+     r"world size 4 is not divisible by the student's TP x PP x CP = 3 x 1 x 1"),
+    (["--teacher-pipeline-model-parallel-size", "3"], 4,
+     r"teacher's TP x PP x CP = 1 x 3 x 1; change --teacher-tensor-model-parallel-size"),
+    (["--global-batch-size", "6"], 4, r"--global-batch-size 6 must be a multiple of"),
+    (["--teacher-seq-length", "16"], 1, r"--teacher-seq-length 16 is too short"),
+    (["--context-parallel-size", "2", "--seq-length", "66"], 2, r"divisible by 2 x context"),
+    (["--save-interval", "5"], 1, r"--save-interval needs --save"),
+    (["--kd-weight", "0"], 1, r"nothing to train"),
+])
+def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(base + extra, world_size=world)
+
+
+def test_missing_directories_are_named(base, tmp_path):
+    argv = list(base)
+    argv[argv.index("--teacher-load") + 1] = str(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"--teacher-load: no such directory: .*nope"):
+        parse_args(argv, world_size=1)
