@@ -1,0 +1,143 @@
+"""Text documents from JSONL, Parquet, Arrow and plain-text files, blended by weight.
+
+``--data-path`` follows Megatron-LM: either paths (``a.jsonl b.parquet``: all documents of all
+files) or weight/path pairs (``0.7 a.jsonl 0.3 b.parquet``: documents drawn in that proportion).
+Every reader names the file, the record and the field when the input is not what it should be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SUFFIXES = {
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow",
+    ".txt": "text", ".md": "text", ".py": "text",
+}
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One input file and its blending weight (None: weight by document count)."""
+
+    path: str
+    weight: float | None = None
+
+
+def parse_data_path(items: Sequence[str], flag: str = "--data-path") -> list[DataSource]:
+    """Parse Megatron-style ``[w1] p1 [w2] p2 ...`` into sources; weights are all or none."""
+    items = list(items)
+    if not items:
+        raise ValueError(f"{flag}: no files given")
+
+    def _is_number(text: str) -> bool:
+        try:
+            float(text)
+        except ValueError:
+            return False
+        return not os.path.exists(text)
+
+    if _is_number(items[0]):
+        if len(items) % 2:
+            raise ValueError(f"{flag}: expected weight/path pairs, got an odd count: {items}")
+        sources = []
+        for weight, path in zip(items[0::2], items[1::2]):
+            if not _is_number(weight):
+                raise ValueError(f"{flag}: expected a weight before {path!r}, got {weight!r}")
+            if float(weight) <= 0:
+                raise ValueError(f"{flag}: weight of {path!r} must be > 0, got {weight}")
+            sources.append(DataSource(path, float(weight)))
+    else:
+        for item in items:
+            if _is_number(item):
+                raise ValueError(f"{flag}: give weights for every file or for none ({items})")
+        sources = [DataSource(path) for path in items]
+    for source in sources:
+        if not Path(source.path).is_file():
+            raise FileNotFoundError(f"{flag}: no such file: {source.path}")
+        if Path(source.path).suffix.lower() not in SUFFIXES:
+            raise ValueError(
+                f"{flag}: cannot tell the format of {source.path}; expected one of "
+                f"{sorted(SUFFIXES)}"
+            )
+    return sources
+
+
+def _check_text(value: object, where: str, field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {field!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _read_jsonl(path: str, field: str) -> list[str]:
+    docs = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            if not isinstance(record, dict) or field not in record:
+                raise ValueError(
+                    f"{path}:{lineno}: no field {field!r} (use --text-field to name the field "
+                    f"that holds the text)"
+                )
+            docs.append(_check_text(record[field], f"{path}:{lineno}", field))
+    return docs
+
+
+def _read_table(path: str, field: str, kind: str) -> list[str]:
+    import pyarrow as pa
+
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=None)
+    else:
+        import pyarrow.ipc as ipc
+
+        with pa.memory_map(path) as source:
+            try:
+                table = ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                table = ipc.open_stream(source).read_all()  # Hugging Face datasets' .arrow
+    if field not in table.column_names:
+        raise ValueError(
+            f"{path}: no column {field!r} (columns: {table.column_names}); use --text-field"
+        )
+    column = table.column(field)
+    if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+        raise ValueError(f"{path}: column {field!r} must hold strings, got {column.type}")
+    return [value if value is not None else "" for value in column.to_pylist()]
+
+
+def read_documents(path: str, text_field: str = "text") -> list[str]:
+    """All documents of one file. Plain-text files are one document each."""
+    kind = SUFFIXES.get(Path(path).suffix.lower())
+    if kind == "jsonl":
+        return _read_jsonl(path, text_field)
+    if kind in ("parquet", "arrow"):
+        return _read_table(path, text_field, kind)
+    if kind == "text":
+        try:
+            return [Path(path).read_text(encoding="utf-8")]
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    raise ValueError(f"{path}: unsupported file type; expected one of {sorted(SUFFIXES)}")
+
+
+def source_fingerprint(sources: Sequence[DataSource]) -> list[list]:
+    """What identifies the inputs for caching: path, size, mtime and weight of each file."""
+    out = []
+    for source in sources:
+        stat = os.stat(source.path)
+        out.append([os.path.abspath(source.path), stat.st_size, int(stat.st_mtime), source.weight])
+    return out
