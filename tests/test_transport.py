@@ -67,3 +67,50 @@ def test_each_student_rank_receives_exactly_its_samples(pool, student, teacher):
             expected = {i for i in range(gbs) if student_replica_of(i, mbs, s_layout.dp)[0] == c["dp"]}
         assert set(samples) == expected, f"rank {rank}"
         assert all(v == float(i) for i, v in samples.items())
+
+
+def _hybrid_steps(steps: int) -> dict:
+    """Two "nodes" of two ranks (GROUP_RANK from the env): shm inside a node, gloo across."""
+    import torch.distributed as dist
+
+    from megatron_xdistill.transport.hybrid import RoutedTransport, node_of_ranks
+
+    student = ParallelLayout.for_world(WORLD, tp=2)  # dp 2: replicas {0,1} and {2,3}
+    teacher = ParallelLayout.for_world(WORLD, tp=1, pp=2)  # senders: ranks 2 and 3
+    routes = routing_plan(8, 1, student, teacher)
+    rank = dist.get_rank()
+    nodes = node_of_ranks()
+    transport = RoutedTransport(routes, numel=3, nodes=nodes)
+    kinds = {"shm": len(transport.shm.routes) if transport.shm else 0,
+             "p2p": len(transport.p2p.routes)}
+    seen = []
+    views = []
+    for step in range(steps):
+        if step >= 1:  # zero-copy views stay intact until this rank's next exchange, although
+            # senders may already be writing this step (double buffering)
+            assert all(t[1].item() == step - 1 for t in views[step - 1].values())
+        outgoing = {i: torch.tensor([float(i), float(step), -1.0])
+                    for i in (teacher_samples(rank, 8, teacher) if rank >= 2 else [])}
+        received = transport.exchange(outgoing)
+        views.append(dict(received))
+        seen.append({i: t.tolist() for i, t in received.items()})
+    transport.close()
+    return {"nodes": nodes, "kinds": kinds, "seen": seen}
+
+
+def test_two_nodes_use_shared_memory_within_and_p2p_across():
+    env = [{"GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2"}
+           for r in range(WORLD)]
+    with RankPool(WORLD, rank_env=env) as pool:
+        out = pool.run(_hybrid_steps, 3)
+    assert out[0]["nodes"] == [0, 0, 1, 1]
+    assert out[0]["kinds"]["shm"] > 0 and out[0]["kinds"]["p2p"] > 0
+    for rank, result in enumerate(out):
+        dp = rank // 2
+        expected = {i for i in range(8) if i % 2 == dp}
+        for step, got in enumerate(result["seen"]):
+            assert set(got) == expected, f"rank {rank} step {step}"
+            assert all(v == [float(i), float(step), -1.0] for i, v in got.items())
+    import glob
+
+    assert not glob.glob("/dev/shm/xdistill_*"), "shared memory left behind"

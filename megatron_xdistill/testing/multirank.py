@@ -54,7 +54,6 @@ def _worker(
     results: Any,
     collective_timeout_s: float,
 ) -> None:
-    os.environ.update(env)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -66,6 +65,7 @@ def _worker(
             "GROUP_RANK": "0",
         }
     )
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -109,7 +109,8 @@ def _worker(
 class RankPool:
     """N CPU ranks in a gloo process group, reused across tasks.
 
-    ``env`` adds environment variables to every rank. ``collective_timeout_s`` is gloo's own timeout,
+    ``env`` adds environment variables to every rank, ``rank_env[r]`` to rank ``r`` only (after
+    the torchrun-style defaults, so it can model several "nodes": LOCAL_RANK, GROUP_RANK...). ``collective_timeout_s`` is gloo's own timeout,
     which turns a collective that some rank never joins into an error on the ranks that wait.
     """
 
@@ -119,9 +120,13 @@ class RankPool:
         env: dict[str, str] | None = None,
         collective_timeout_s: float = 120.0,
         start_timeout_s: float = 180.0,
+        rank_env: list[dict[str, str]] | None = None,
     ) -> None:
         self.world_size = world_size
         self._env = dict(env or {})
+        if rank_env is not None and len(rank_env) != world_size:
+            raise ValueError(f"rank_env needs {world_size} entries, got {len(rank_env)}")
+        self._rank_env = rank_env
         self._collective_timeout_s = collective_timeout_s
         self._start_timeout_s = start_timeout_s
         self._procs: list[Any] = []
@@ -136,8 +141,9 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._env, self._tasks[r], self._results,
-                      self._collective_timeout_s),
+                args=(r, self.world_size, port,
+                      {**self._env, **(self._rank_env[r] if self._rank_env else {})},
+                      self._tasks[r], self._results, self._collective_timeout_s),
                 # Not daemonic: dist_checkpointing starts helper processes of its own.
                 daemon=False,
             )
