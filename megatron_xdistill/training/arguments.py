@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher-load", required=True, help="teacher checkpoint (xdistill-convert)")
     g.add_argument("--save", default=None, help="directory for training checkpoints")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving) once the iteration is a multiple of this")
 
     g = p.add_argument_group("tokenizers and projection")
     g.add_argument("--tokenizer-model", required=True, help="student HF tokenizer directory")

@@ -1,0 +1,60 @@
+"""Per-rank loading of a global batch: only the samples this rank's student or teacher needs.
+
+Each training step ``g`` covers samples ``[g * GBS, (g + 1) * GBS)`` of the packing plan (wrapping
+around). A rank needs the samples of its student replica (Megatron's micro-batch order) and of its
+teacher replica (a contiguous block); the DataLoader's workers tokenise and align just those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron_xdistill.parallel.layout import ParallelLayout
+from megatron_xdistill.transport.routing import student_replica_of, teacher_replica_of
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """Yields, per step, the global sample ids (plan indices) this rank needs, in a fixed order."""
+
+    def __init__(self, num_samples: int, start_step: int, global_batch_size: int,
+                 micro_batch_size: int, student_dp_rank: int, student: ParallelLayout,
+                 teacher_dp_rank: int, teacher: ParallelLayout) -> None:
+        self.num_samples = num_samples
+        self.step = start_step
+        self.gbs = global_batch_size
+        self.local = sorted(
+            i for i in range(global_batch_size)
+            if student_replica_of(i, micro_batch_size, student.dp)[0] == student_dp_rank
+            or teacher_replica_of(i, global_batch_size, teacher.dp) == teacher_dp_rank
+        )
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            base = self.step * self.gbs
+            yield [(base + i) % self.num_samples for i in self.local]
+            self.step += 1
+
+    def __len__(self) -> int:
+        return 2**62
+
+
+class StepBatches:
+    """Iterator of ``{index in global batch: sample dict}`` per step, from a DataLoader."""
+
+    def __init__(self, dataset, sampler: StepSampler, num_workers: int) -> None:
+        self.positions = sampler.local
+        self.loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=num_workers,
+            collate_fn=lambda items: items, persistent_workers=num_workers > 0,
+            prefetch_factor=2 if num_workers > 0 else None,
+        )
+        self._it = iter(self.loader)
+
+    def __next__(self) -> dict[int, dict]:
+        items = next(self._it)
+        return dict(zip(self.positions, items))
+
+    def __iter__(self) -> StepBatches:
+        return self

@@ -1,0 +1,134 @@
+"""Training checkpoints: model, optimizer, scheduler, RNG and data position, written atomically.
+
+Layout follows Megatron-LM: ``<save>/iter_0000100/`` (a dist_checkpointing directory, loadable at
+another layout) and ``<save>/latest_checkpointed_iteration.txt``. A checkpoint is written into
+``iter_0000100.tmp`` and renamed only after every rank finished, then the tracker file is
+replaced atomically: an interrupted save never looks like a checkpoint, and the previous one
+stays the latest.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megatron_xdistill import mcore_compat
+
+mcore_compat.install()
+
+from megatron.core import dist_checkpointing  # noqa: E402
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str) -> int | None:
+    """Iteration of the latest complete checkpoint under ``root``, or None."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+    iteration = int(text)
+    if not os.path.isdir(iteration_dir(root, iteration)):
+        raise FileNotFoundError(
+            f"{path} names iteration {iteration} but {iteration_dir(root, iteration)} is missing"
+        )
+    return iteration
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_cp_group,
+                    common: dict) -> str:
+    """Collective: write the checkpoint of ``iteration`` under ``root``; returns its path.
+
+    ``common`` holds small picklable state every rank agrees on (consumed samples, args...).
+    """
+    rank = dist.get_rank()
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
+    state = {"model": model_state, "common": common, "iteration": iteration}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_state)
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    dist.barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group) -> dict:
+    """Collective: restore the latest checkpoint under ``root``; returns its ``common`` state
+    plus ``iteration``. Raises if there is none."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER})")
+    path = iteration_dir(root, iteration)
+    model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
+    request = {"model": model_state}
+    if optimizer is not None:
+        request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True)
+    loaded = dist_checkpointing.load(request, path)
+    model.load_state_dict(loaded["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    common_state = dist_checkpointing.load_common_state_dict(path)
+    if scheduler is not None and "scheduler" in common_state:
+        scheduler.load_state_dict(common_state["scheduler"])
+    rng_path = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
+    if os.path.exists(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=False))
+    out = dict(common_state.get("common", {}))
+    out["iteration"] = int(common_state.get("iteration", iteration))
+    return out

@@ -1,0 +1,131 @@
+"""Glue between the runtime's batches and the loss package: payload form, shards, chunk ids.
+
+One object per run holds what the loss needs and never changes: the payload spec (sizes known
+before any data, for the routing plan), this student TP rank's projection rows, and the common
+vocabulary for gold/H-KL. It turns a collated batch into the arguments of the teacher-side
+reduction and of the student-side loss, with the next-token shift done on the full sequence and
+the CP slice taken after it (DESIGN.md, "Next-token shift").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_xdistill.loss import (
+    ProjectionShard,
+    TeacherPayload,
+    counted_chunks,
+    parallel_kd_loss,
+    payload_spec,
+    shift_chunk_ids,
+    teacher_payload,
+)
+from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
+from megatron_xdistill.parallel.layout import ModelParallelGroups
+
+
+def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
+    """Which teacher payload a configuration ships (see loss.payload_spec)."""
+    if kd_loss in ("gold", "hkl"):
+        return "gold"
+    if kd_topk == 0:
+        return "full"
+    return "topk" if kd_topk_mode == "global" else "chunk_topk"
+
+
+def load_or_build_projection(args, log=print):
+    """The projection of ``--projection-path`` (hashes checked against both tokenizers), or one
+    built now from the tokenizers when no path is given."""
+    from megatron_xdistill.projection import BuildOptions, build_projection, load_projection
+
+    if args.projection_path:
+        return load_projection(args.projection_path, args.tokenizer_model,
+                               args.teacher_tokenizer_model)
+    log("> no --projection-path: building the projection from the tokenizers "
+        "(save one with `xdistill-projection build` to skip this)")
+    return build_projection(args.tokenizer_model, args.teacher_tokenizer_model, BuildOptions())
+
+
+class KDLoss:
+    """The loss configuration of a run, bound to the student's and the teacher's layouts."""
+
+    def __init__(self, args, student_info, teacher_info, student: ModelParallelGroups,
+                 teacher: ModelParallelGroups, log=print) -> None:
+        self.args = args
+        self.student, self.teacher = student, teacher
+        self.student_vocab = student_info.vocab_size
+        self.teacher_vocab = teacher_info.vocab_size
+        matrix = load_or_build_projection(args, log)
+        if matrix.student_vocab_size > self.student_vocab or \
+                matrix.teacher_vocab_size > self.teacher_vocab:
+            raise ValueError(
+                f"projection is {matrix.student_vocab_size} x {matrix.teacher_vocab_size} but the "
+                f"models' vocabularies are {self.student_vocab} (student) and {self.teacher_vocab} "
+                f"(teacher): was it built for other tokenizers?")
+        self.mode = args.kd_loss
+        self.form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
+        common_student = common_teacher = None
+        if self.form == "gold":
+            rule = "strict" if args.kd_loss == "gold" else "xtoken"
+            common_student, common_teacher = matrix.common_vocab(rule)
+        self.common_student, self.common_teacher = common_student, common_teacher
+        self.num_chunks = args.seq_length + 1  # chunk slots: collate_samples' upper bound
+        self.spec = payload_spec(
+            self.form, self.num_chunks, self.teacher_vocab, topk=args.kd_topk or None,
+            num_common=None if common_teacher is None else len(common_teacher))
+        padded = student_info.padded_vocab_size(student.layout.tp)
+        local = padded // student.layout.tp
+        start = student.coords["tp"] * local
+        indices, weights = matrix.local_shard(start, start + local)
+        self.shard = ProjectionShard(indices, weights, start, self.teacher_vocab)
+
+    @property
+    def payload_numel(self) -> int:
+        return self.spec.numel
+
+    @property
+    def payload_bytes_per_token(self) -> float:
+        return self.spec.bytes_per_token(self.args.seq_length)
+
+    # ---------------------------------------------------------------- teacher side
+    def teacher_payload(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """Flat payload rows [b, numel] of one teacher microbatch (teacher's last stage)."""
+        groups = self.teacher
+        width = logits.shape[1] * groups.layout.cp
+        pred = shift_chunk_ids(batch["teacher_chunk_id"])[:, :width]
+        pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
+        payload = teacher_payload(
+            logits.float(), pred, self.spec, vocab_size=self.teacher_vocab,
+            temperature=self.args.kd_temperature, common_teacher_ids=self.common_teacher,
+            tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
+        return payload.to_flat()
+
+    # ---------------------------------------------------------------- student side
+    def count_chunks(self, batch: dict) -> int:
+        """Chunks the KD loss counts in a (full-sequence) batch: for the global denominator."""
+        counted = counted_chunks(batch["student_chunk_id"], batch["teacher_chunk_id"],
+                                 batch["chunk_valid"], batch["chunk_exact"])
+        return int(counted.sum())
+
+    def labels(self, batch: dict) -> torch.Tensor:
+        """Next-token labels (-1 where the loss mask is 0), this CP rank's slice."""
+        groups = self.student
+        labels = batch["tokens"][:, 1:].clone()
+        labels[batch["loss_mask"] <= 0] = -1
+        return slice_for_cp_rank(labels, 1, groups.coords["cp"], groups.layout.cp)
+
+    def student_terms(self, logits: torch.Tensor, batch: dict, with_kd: bool = True):
+        """Local KD and CE sums of one student microbatch (student's last stage)."""
+        groups = self.student
+        width = logits.shape[1] * groups.layout.cp
+        payload = pred = None
+        if with_kd:
+            payload = TeacherPayload.from_flat(batch["payload"], self.spec)
+            pred = shift_chunk_ids(batch["student_chunk_id"])[:, :width]
+            pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
+        return parallel_kd_loss(
+            logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,
+            student_vocab_size=self.student_vocab, mode=self.mode,
+            temperature=self.args.kd_temperature, reverse=self.args.kd_reverse,
+            common_student_ids=self.common_student, labels=self.labels(batch),
+            tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)

@@ -1,0 +1,170 @@
+"""``pretrain_xdistill.py``'s main: set up, train with logging, evaluation and checkpoints."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_xdistill import mcore_compat
+
+
+def init_distributed(timeout_minutes: float) -> bool:
+    """torch.distributed from torchrun's environment (a single process works without torchrun).
+
+    Returns whether it created the process group (an existing one, e.g. a launcher's, is used).
+    """
+    if dist.is_initialized():
+        return False
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    backend = mcore_compat.default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=backend,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    return True
+
+
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def _plan(args, paths, aligner, num_samples: int, what: str):
+    """Packing plan: rank 0 builds (or finds in the cache) and writes it; the others read it."""
+    from megatron_xdistill.data.packing import (
+        build_plan,
+        load_documents,
+        load_plan,
+        plan_key,
+        save_plan,
+    )
+    from megatron_xdistill.data.sources import parse_data_path
+
+    flag = "--data-path" if what == "train" else "--valid-data-path"
+    sources = parse_data_path(paths, flag)
+    documents, counts = load_documents(sources, args.text_field)
+    key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
+                   args.seq_length, args.teacher_seq_length, args.seed, num_samples)
+    cache = args.data_cache_path or os.path.join(os.getcwd(), ".xdistill_cache")
+    path = os.path.join(cache, f"{what}_plan_{key}.pkl")
+    if dist.get_rank() == 0:
+        plan = load_plan(path, key)
+        if plan is None:
+            _log(f"> packing {what} data ({len(documents)} documents) into {num_samples} samples")
+            plan = build_plan(documents, sources, counts, aligner, args.seq_length,
+                              args.teacher_seq_length, args.seed, num_samples, key=key, log=_log)
+            save_plan(plan, path)
+    dist.barrier()
+    plan = load_plan(path, key)
+    if plan is None:
+        raise RuntimeError(f"rank {dist.get_rank()}: packing plan {path} missing after rank 0 wrote it "
+                           f"(is {cache} on a shared file system?)")
+    return documents, plan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: returns the process exit code."""
+    mcore_compat.install()
+    from megatron_xdistill.training.arguments import parse_args
+
+    pre = [a for a in (argv if argv is not None else sys.argv[1:])]
+    timeout = 10.0
+    if "--distributed-timeout-minutes" in pre:
+        timeout = float(pre[pre.index("--distributed-timeout-minutes") + 1])
+    created = init_distributed(timeout)
+    try:
+        return _train(parse_args(pre, dist.get_world_size()))
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _train(args) -> int:
+    from megatron_xdistill.align import TokenAligner, load_tokenizer
+    from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
+    from megatron_xdistill.data.loader import StepBatches, StepSampler
+    from megatron_xdistill.training.distiller import Distiller, is_training_checkpoint
+    from megatron_xdistill.training.metrics import MetricsWriter
+
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    aligner = TokenAligner(load_tokenizer(args.tokenizer_model),
+                           load_tokenizer(args.teacher_tokenizer_model))
+    # Resume from --save if it holds a run, else from --load if that is a run; otherwise --load
+    # is a converted model (xdistill-convert) and training starts at iteration 0.
+    resume_from = next((path for path in (args.save, args.load)
+                        if path and is_training_checkpoint(path)), None)
+    distiller = Distiller(args, init_weights=resume_from is None, log=_log)
+    iteration = 0
+    if resume_from is not None:
+        iteration = distiller.resume(resume_from)["iteration"]
+        _log(f"> resumed from {resume_from} at iteration {iteration}")
+
+    documents, plan = _plan(args, args.data_path, aligner,
+                            args.train_iters * args.global_batch_size, "train")
+    dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
+                                  args.teacher_seq_length)
+    s_coords, t_coords = distiller.student_groups.coords, distiller.teacher_groups.coords
+    sampler = StepSampler(len(dataset), iteration, args.global_batch_size, args.micro_batch_size,
+                          s_coords["dp"], distiller.student_layout, t_coords["dp"],
+                          distiller.teacher_layout)
+    steps = StepBatches(dataset, sampler, args.num_workers)
+
+    eval_batches = None
+    if args.valid_data_path:
+        n_eval = args.eval_iters * args.micro_batch_size * distiller.student_layout.dp
+        v_docs, v_plan = _plan(args, args.valid_data_path, aligner, n_eval, "valid")
+        v_set = DistillationDataset(v_docs, v_plan, aligner, args.seq_length,
+                                    args.teacher_seq_length)
+        dp, mbs = distiller.student_layout.dp, args.micro_batch_size
+        mine = [i for i in range(min(n_eval, len(v_set))) if (i // mbs) % dp == s_coords["dp"]]
+        eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
+                        for k in range(0, len(mine), mbs)]
+
+    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=rank == 0)
+    if eval_batches is not None and iteration == 0:
+        writer.write({"iteration": 0, **distiller.evaluate(eval_batches)})
+    last = time.perf_counter()
+    tokens_since = 0
+    try:
+        while iteration < args.train_iters:
+            samples = next(steps)
+            metrics = distiller.train_step(samples)
+            iteration += 1
+            tokens_since += metrics["tokens"]
+            if iteration % args.log_interval == 0 or iteration == args.train_iters:
+                now = time.perf_counter()
+                record = {"iteration": iteration, "train_iters": args.train_iters, **metrics,
+                          "tokens_per_s": round(tokens_since / (now - last), 1),
+                          "consumed_samples": iteration * args.global_batch_size,
+                          **distiller.times.reset()}
+                record["payload_bytes_per_token"] = round(distiller.kd.payload_bytes_per_token, 1)
+                writer.write(record)
+                last, tokens_since = now, 0
+            if eval_batches is not None and args.eval_interval and (
+                    iteration % args.eval_interval == 0 or iteration == args.train_iters):
+                writer.write({"iteration": iteration, **distiller.evaluate(eval_batches)})
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                path = distiller.save(args.save, iteration,
+                                      {"consumed_samples": iteration * args.global_batch_size})
+                _log(f"> saved checkpoint {path}")
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                _log(f"> exiting at iteration {iteration} (--exit-interval)")
+                break
+    finally:
+        writer.close()
+    if args.save and (not args.save_interval or iteration % args.save_interval):
+        path = distiller.save(args.save, iteration,
+                              {"consumed_samples": iteration * args.global_batch_size})
+        _log(f"> saved checkpoint {path}")
+    return 0

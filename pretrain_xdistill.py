@@ -1,0 +1,17 @@
+#!/usr/bin/env python
+"""Cross-tokenizer knowledge distillation on Megatron-Core.
+
+    torchrun --nproc-per-node N pretrain_xdistill.py --load STUDENT_CKPT --teacher-load TEACHER_CKPT \
+        --tokenizer-model STUDENT_TOK --teacher-tokenizer-model TEACHER_TOK \
+        --data-path train.jsonl --seq-length 1024 --micro-batch-size 1 --global-batch-size 32 \
+        --train-iters 1000 --lr 1e-5 [--tensor-model-parallel-size 2 --teacher-pipeline-model-parallel-size 2 ...]
+
+Run with --help for every argument.
+"""
+
+import sys
+
+if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep this guard
+    from megatron_xdistill.training.run import main
+
+    sys.exit(main())
