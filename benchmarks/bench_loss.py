@@ -1,0 +1,160 @@
+"""Time and peak memory of the student-side KD loss vs Megatron's vocab-parallel cross-entropy.
+
+Same student logits [1, tokens, V_s] for both (fp32 by default), TP = 1 on one process, forward +
+backward. Each (method, size) runs in a fresh child process (CPU threads pinned to ``--threads``):
+the KD child never imports Megatron; the CE child does (``mcore_compat.install()``) and calls
+``tensor_parallel.vocab_parallel_cross_entropy`` on [s, b, v] logits, refreshing the logits it
+destroys in place (outside the timed region). Time: the minimum over ``--repeat`` runs after one
+warm-up, as wall and as process CPU time (the CPU figure is steadier on a shared machine). Memory:
+peak RSS minus the RSS with all inputs allocated, and net of the .grad buffer both methods
+create. Chunks: ~0.7 per token, sizes 1-2; W has 4 entries per row (45% one-to-one rows).
+
+  python benchmarks/bench_loss.py [--tokens 4096] [--vs 49152 128256] [--forms topk chunk_topk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+_CHILD = r"""
+import json, os, resource, sys, time
+cfg = json.loads(sys.argv[1])
+import torch
+torch.set_num_threads(cfg["threads"])
+import psutil
+
+def rss():
+    return psutil.Process().memory_info().rss
+
+n, vs, vt, form, k = cfg["tokens"], cfg["vs"], cfg["vt"], cfg["form"], cfg["topk"]
+dtype = getattr(torch, cfg["dtype"])
+gen = torch.Generator().manual_seed(0)
+logits = torch.empty(1, n, vs, dtype=dtype).normal_(0.0, 2.0, generator=gen)
+labels = torch.randint(0, vs, (1, n), generator=gen)
+timings = []
+if form == "ce":
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    from megatron_xdistill import mcore_compat
+    mcore_compat.install()
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    pristine = logits.transpose(0, 1).contiguous()
+    work = pristine.clone()
+    target = labels.t().contiguous()
+    base = rss()
+    for i in range(cfg["repeat"] + 1):
+        work.copy_(pristine)
+        leaf = work.requires_grad_(True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        loss = vocab_parallel_cross_entropy(leaf, target, tp_group=dist.group.WORLD).mean()
+        loss.backward()
+        timings.append((time.perf_counter() - t0, time.process_time() - c0))
+        leaf.grad = None
+        work = work.detach()
+else:
+    from megatron_xdistill.loss import (PayloadSpec, ProjectionShard, TeacherPayload,
+                                        parallel_kd_loss)
+    c = int(n * 0.7)
+    ids = (torch.arange(n) * c // n).view(1, n)
+    idx = torch.randint(0, vt, (vs, 4), generator=gen)
+    w = torch.rand(vs, 4, generator=gen)
+    kind = torch.rand(vs, 1, generator=gen)
+    w[:, 1:] *= (kind > 0.45).float()        # ~45% one-to-one rows
+    idx[:, 1:][(kind <= 0.45).expand(-1, 3)] = -1
+    shard = ProjectionShard(idx, w, 0, vt)
+    has = torch.ones(1, c, dtype=torch.bool)
+    logp = torch.log_softmax(torch.randn(1, c, k, generator=gen), -1)
+    common = None
+    if form == "topk":
+        payload = TeacherPayload(PayloadSpec("topk", c, k), logp, has,
+                                 columns=torch.randperm(vt, generator=gen)[:k].sort().values[None])
+    elif form == "chunk_topk":
+        payload = TeacherPayload(PayloadSpec("chunk_topk", c, k), logp, has,
+                                 columns=torch.randint(0, vt, (1, c, k), generator=gen),
+                                 tail_logprob=torch.full((1, c), -2.0))
+    elif form == "full":
+        payload = TeacherPayload(PayloadSpec("full", c, vt),
+                                 torch.log_softmax(torch.randn(1, c, vt, generator=gen), -1), has)
+    else:  # gold: half of the student vocabulary is common
+        m = vs // 2
+        common = torch.randperm(vs, generator=gen)[:m].sort().values
+        unc = min(8192, vt - m)
+        payload = TeacherPayload(
+            PayloadSpec("gold", c, m, unc), torch.log_softmax(torch.randn(1, c, m), -1), has,
+            uncommon_probs=torch.rand(1, c, unc).sort(-1, descending=True).values * 1e-3)
+    mode = "gold" if form == "gold" else "pkl"
+    leaf = logits.requires_grad_(True)
+    base = rss()
+    for i in range(cfg["repeat"] + 1):
+        t0, c0 = time.perf_counter(), time.process_time()
+        terms = parallel_kd_loss(leaf, payload, ids, has, has, shard, student_vocab_size=vs,
+                                 mode=mode, common_student_ids=common,
+                                 labels=labels if cfg["with_ce"] else None,
+                                 block_bytes=cfg["block_mib"] << 20)
+        (terms.kd_sum / terms.kd_count + terms.ce_sum).backward()
+        timings.append((time.perf_counter() - t0, time.process_time() - c0))
+        leaf.grad = None
+grad_bytes = logits.numel() * logits.element_size()  # .grad, a new buffer for both methods
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+best = timings[1:]
+print(json.dumps({
+    "wall_s": min(t[0] for t in best), "cpu_s": min(t[1] for t in best),
+    "extra_gib": (peak - base) / 2**30, "grad_gib": grad_bytes / 2**30,
+    "logits_gib": logits.numel() * logits.element_size() / 2**30,
+}))
+"""
+
+
+def run(cfg: dict) -> dict:
+    """One measurement in a child process."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(cfg["threads"]))
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(cfg)], env=env,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--vs", type=int, nargs="+", default=[49152, 128256])
+    parser.add_argument("--vt", type=int, default=151936)
+    parser.add_argument("--forms", nargs="+", default=["topk", "chunk_topk"],
+                        choices=["topk", "chunk_topk", "full", "gold"])
+    parser.add_argument("--topk", type=int, default=256)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--block-mib", type=int, default=64)
+    parser.add_argument("--with-ce", action="store_true", help="KD rows also fuse the CE")
+    args = parser.parse_args(argv)
+    port = 29000 + os.getpid() % 1000
+    head = (f"{'tokens':>6} {'V_s':>7} {'method':<16} {'wall s':>7} {'cpu s':>7} {'x CE':>5} "
+            f"{'extra GiB':>9} {'net of grad':>11} {'% logits':>8}")
+    print(f"V_t={args.vt} topk={args.topk} dtype={args.dtype} threads={args.threads} "
+          f"block={args.block_mib} MiB{' +CE' if args.with_ce else ''}")
+    print(head)
+    for tokens in args.tokens:
+        for vs in args.vs:
+            base = dict(tokens=tokens, vs=vs, vt=args.vt, topk=args.topk, dtype=args.dtype,
+                        threads=args.threads, repeat=args.repeat, port=port,
+                        block_mib=args.block_mib, with_ce=args.with_ce)
+            ce = run({**base, "form": "ce"})
+            rows = [("megatron CE", ce)]
+            for form in args.forms:
+                rows.append((f"KD {form}", run({**base, "form": form})))
+            for name, r in rows:
+                net = r["extra_gib"] - r["grad_gib"]
+                print(f"{tokens:>6} {vs:>7} {name:<16} {r['wall_s']:>7.3f} {r['cpu_s']:>7.3f} "
+                      f"{r['cpu_s'] / ce['cpu_s']:>5.2f} {r['extra_gib']:>9.3f} {net:>11.3f} "
+                      f"{100 * net / r['logits_gib']:>7.1f}%", flush=True)
+
+
+if __name__ == "__main__":
+    main()

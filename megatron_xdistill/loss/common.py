@@ -1,0 +1,61 @@
+"""Small pieces both the reference and the parallel losses use: constants, the next-token shift,
+and the common-vocabulary split of the gold / H-KL losses."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_xdistill.projection.common_vocab import common_vocab
+
+#: Added inside ``log`` of the student's projected chunk distribution (as NeMo-RL does), so a
+#: teacher column that no student token projects onto costs ``-log(EPS)`` instead of infinity.
+EPS = 1e-10
+#: Floor of a renormalising sum (a chunk whose projected mass in K is exactly zero).
+TINY = 1e-30
+#: Default cap on the sorted uncommon remainders of the gold loss (NeMo-RL's default).
+UNCOMMON_TOPK = 8192
+
+MODES = ("pkl", "gold", "hkl")
+GOLD_RULES = {"gold": "strict", "hkl": "xtoken"}
+
+
+def shift_chunk_ids(chunk_id: torch.Tensor) -> torch.Tensor:
+    """Predicting chunk id per position: ``out[..., i] = chunk_id[..., i + 1]``, last = -1.
+
+    Position ``i``'s logits predict token ``i + 1`` (DESIGN.md, "Next-token shift"). Apply it to
+    the *full* sequence, then slice for a CP rank: that carries the shift across CP boundaries.
+    """
+    out = torch.full_like(chunk_id, -1)
+    out[..., :-1] = chunk_id[..., 1:]
+    return out
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"loss mode must be one of {MODES}, got {mode!r}")
+
+
+def dense_to_rows(projection: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense W [V_s, V_t] as fixed-width rows ``(indices, weights)`` [V_s, k], largest first."""
+    nnz = (projection > 0).sum(dim=1)
+    k = max(int(nnz.max()) if nnz.numel() else 0, 1)
+    weights, indices = projection.float().topk(k, dim=1)
+    indices = indices.masked_fill(weights <= 0, -1)
+    return indices, weights.clamp_min(0)
+
+
+def common_vocab_from_dense(projection: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(student_ids, teacher_ids) pairs of the gold ("strict") or H-KL ("xtoken") split of W.
+
+    The rules are the projection package's (``ProjectionMatrix.common_vocab``), applied to the
+    rows of a dense W, so the reference and the runtime split the vocabularies the same way.
+    """
+    if mode not in GOLD_RULES:
+        raise ValueError(f"common vocabulary is for modes 'gold'/'hkl', got {mode!r}")
+    indices, weights = dense_to_rows(projection)
+    return common_vocab(indices, weights, GOLD_RULES[mode])
+
+
+def gold_uncommon_len(vs: int, vt: int, n_common: int, cap: int) -> int:
+    """How many sorted uncommon probabilities the gold L1 term compares (shorter side, capped)."""
+    return max(0, min(vs - n_common, vt - n_common, cap))

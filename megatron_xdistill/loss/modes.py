@@ -1,0 +1,231 @@
+"""The three student-side loss kernels, each split the same way for the chunked autograd Function.
+
+A kernel turns one block of positions into per-chunk-row *raw* sums that are linear in the
+positions (so they can be summed over blocks and over CP ranks), computes the per-chunk KL from
+raw sums (``kl``: TP reductions inside, differentiable), and maps a gradient with respect to the
+raw sums back to the block's logits (``backward_block``: the Jacobian of one position's
+contribution, transposed).
+
+``ColumnsKernel``  P-KL on teacher columns per row (microbatch top-k, or per-chunk top-k + tail):
+                   raw = projected mass on the row's columns [+ total projected mass].
+``DenseKernel``    P-KL on all teacher columns: raw = summed student probabilities [r, V_local].
+``GoldKernel``     gold / H-KL: raw = summed logits / T [r, V_local] and summed log-partitions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .collectives import Group, all_reduce, replicated_gather, replicated_sum
+from .formulas import gold_kl, projected_kl
+from .payload import TeacherPayload
+from .shard import ProjectionShard
+from .workspace import scratch
+
+Raw = dict[str, torch.Tensor]
+
+
+@dataclass
+class BlockData:
+    """One block of positions. The softmax p over the TP-wide vocabulary of x = logits / T is
+    ``probs_local * factor[:, None]`` (this shard's softmax, rescaled)."""
+
+    x: torch.Tensor            # [n, V_real] logits / T
+    probs_local: torch.Tensor  # [n, V_real] softmax of x over this shard's columns
+    factor: torch.Tensor       # [n] exp(shard log-partition - TP-wide log-partition)
+    logz: torch.Tensor         # [n] TP-wide log-partition of x
+    seg: torch.Tensor          # [n] row within the block, -1 for none
+    num_rows: int
+    row_start: int             # first row's index among the rank's rows
+    extra: torch.Tensor | None = None  # [n] this shard's projected mass (tail bucket)
+
+    def seg_dummy(self) -> torch.Tensor:
+        """``seg`` with 'none' mapped to an extra row ``num_rows`` (for index_add / gather)."""
+        return torch.where(self.seg >= 0, self.seg, self.num_rows)
+
+
+def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return payload_part.reshape(-1, *payload_part.shape[2:]).index_select(0, keys)
+
+
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])], dim=0)
+
+
+class ColumnsKernel:
+    """P-KL on the payload's teacher columns (``topk`` or ``chunk_topk`` forms)."""
+
+    per_block = False
+
+    def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
+                 row_keys: torch.Tensor, reverse: bool, tp_group: Group) -> None:
+        self.payload, self.shard, self.num_real = payload, shard, num_real
+        self.reverse, self.tp_group = reverse, tp_group
+        self.tail = payload.spec.form == "chunk_topk"
+        self.k = payload.spec.width
+        self.row_keys = row_keys
+
+    def _columns(self, keys: torch.Tensor) -> torch.Tensor:
+        cols = self.payload.columns
+        if cols.dim() == 2:  # microbatch-global: one column set per sample
+            return cols.index_select(0, torch.div(keys, self.payload.spec.num_chunks,
+                                                  rounding_mode="floor"))
+        return _rows_of(cols, keys)
+
+    def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
+        out = {"q": like.new_zeros(n, self.k)}
+        if self.tail:
+            out["total"] = like.new_zeros(n)
+        return out
+
+    def _expand(self, blk: BlockData) -> tuple[torch.Tensor, ...]:
+        """(position, student column, weight, flat row*k+slot) of every entry the block uses."""
+        keys = self.row_keys[blk.row_start: blk.row_start + blk.num_rows]
+        entries = self.shard.column_entries(self._columns(keys), self.num_real)
+        pos = torch.nonzero(blk.seg >= 0, as_tuple=True)[0]
+        row = blk.seg[pos]
+        length = entries.length[row]
+        total = int(length.sum())
+        pos_e = torch.repeat_interleave(pos, length)
+        first = torch.cumsum(length, 0) - length
+        ent = (torch.repeat_interleave(entries.offset[row] - first, length)
+               + torch.arange(total, device=pos.device))
+        flat = entries.row[ent] * self.k + entries.slot[ent]
+        return pos_e, entries.student[ent], entries.weight[ent], flat
+
+    def raw(self, blk: BlockData) -> Raw:
+        pos, col, weight, flat = self._expand(blk)
+        mass = blk.probs_local[pos, col] * blk.factor[pos] * weight
+        q = blk.x.new_zeros(blk.num_rows * self.k).index_add_(0, flat, mass)
+        out = {"q": q.view(blk.num_rows, self.k)}
+        if self.tail:
+            out["total"] = blk.x.new_zeros(blk.num_rows + 1).index_add_(
+                0, blk.seg_dummy(), blk.extra)[:-1]
+        return out
+
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = replicated_sum(raw["q"], self.tp_group)
+        log_p = _rows_of(self.payload.logprobs, keys)
+        if self.tail:
+            total = replicated_sum(raw["total"], self.tp_group)
+            tail = self.payload.tail_logprob.reshape(-1).index_select(0, keys)
+            kl = projected_kl(log_p, q, total, self.reverse, tail)
+        else:
+            kl = projected_kl(log_p, q, None, self.reverse)
+        return kl, q.argmax(-1) == log_p.argmax(-1)
+
+    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """``out`` holds ``probs_local``; leaves inv_t * dKL/dx + coef * p in it."""
+        pos, col, weight, flat = self._expand(blk)
+        contrib = out[pos, col] * blk.factor[pos] * weight * grad["q"].reshape(-1)[flat]
+        dot = torch.zeros_like(blk.logz).index_add_(0, pos, contrib)
+        if self.tail:
+            g_total = _with_zero_row(grad["total"])[blk.seg_dummy()]
+            dot += g_total * blk.extra
+        all_reduce(dot, self.tp_group)
+        # dKL/dp = entries (+ g_total * rowsum); dKL/dx = p * (dKL/dp - <p, dKL/dp>)
+        base = blk.factor * (coef - inv_t * dot)
+        if self.tail:
+            rowsum = self.shard.rowsum[: self.num_real].to(out.dtype)
+            coef = scratch("outer", out.numel(), out.device, out.dtype).view_as(out)
+            torch.outer(blk.factor * inv_t * g_total, rowsum, out=coef)
+            out.mul_(coef.add_(base[:, None]))
+        else:
+            out.mul_(base[:, None])
+        out.index_put_((pos, col), contrib * inv_t, accumulate=True)
+
+
+class DenseKernel:
+    """P-KL on all teacher columns (``full`` form)."""
+
+    per_block = True
+
+    def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
+                 reverse: bool, tp_group: Group) -> None:
+        self.payload, self.shard, self.num_real = payload, shard, num_real
+        self.reverse, self.tp_group = reverse, tp_group
+
+    def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
+        return {"p": like.new_zeros(n, self.num_real)}
+
+    def raw(self, blk: BlockData) -> Raw:
+        p = blk.probs_local * blk.factor[:, None]
+        sums = p.new_zeros(blk.num_rows + 1, p.shape[1]).index_add_(0, blk.seg_dummy(), p)
+        return {"p": sums[:-1]}
+
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        q = replicated_sum(self.shard.project(raw["p"]), self.tp_group)
+        log_p = _rows_of(self.payload.logprobs, keys)
+        return projected_kl(log_p, q, None, self.reverse), q.argmax(-1) == log_p.argmax(-1)
+
+    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        h = _with_zero_row(grad["p"])[blk.seg_dummy()]  # dKL/dp per position
+        dot = torch.bmm(out[:, None, :], h[:, :, None])[:, 0, 0] * blk.factor
+        all_reduce(dot, self.tp_group)
+        h.sub_((dot - coef / inv_t)[:, None]).mul_((blk.factor * inv_t)[:, None])
+        out.mul_(h)
+
+
+class GoldKernel:
+    """Gold / H-KL: KL on the common vocabulary + L1 of the sorted uncommon remainders."""
+
+    per_block = True
+
+    def __init__(self, payload: TeacherPayload, common_student: torch.Tensor, vocab_start: int,
+                 num_real: int, num_uncommon: int, reverse: bool, tp_group: Group) -> None:
+        self.payload, self.reverse, self.tp_group = payload, reverse, tp_group
+        self.num_real = num_real
+        self.num_common = int(common_student.numel())
+        local = (common_student >= vocab_start) & (common_student < vocab_start + num_real)
+        self.pair_local = torch.nonzero(local, as_tuple=True)[0]
+        self.col_common = common_student[local] - vocab_start
+        uncommon = torch.ones(num_real, dtype=torch.bool, device=common_student.device)
+        uncommon[self.col_common] = False
+        self.col_uncommon = torch.nonzero(uncommon, as_tuple=True)[0]
+        self.num_uncommon = num_uncommon
+
+    def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
+        return {"x": like.new_zeros(n, self.num_real), "lz": like.new_zeros(n)}
+
+    def raw(self, blk: BlockData) -> Raw:
+        seg = blk.seg_dummy()
+        xsum = blk.x.new_zeros(blk.num_rows + 1, blk.x.shape[1]).index_add_(0, seg, blk.x)
+        lz = blk.x.new_zeros(blk.num_rows + 1).index_add_(0, seg, blk.logz)
+        return {"x": xsum[:-1], "lz": lz[:-1]}
+
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        cnt = counts.to(raw["x"].dtype)
+        a = (raw["x"] - raw["lz"][:, None]) / cnt[:, None]  # chunk-mean log-probs, this shard
+        rows = a.shape[0]
+        a_common = a.new_zeros(rows, self.num_common).index_copy(
+            1, self.pair_local, a.index_select(1, self.col_common))
+        a_common = replicated_sum(a_common, self.tp_group)
+        b_common = _rows_of(self.payload.logprobs, keys)
+        n = self.num_uncommon
+        a_unc = a.index_select(1, self.col_uncommon)
+        if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
+            a_unc = torch.cat([a_unc, a.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
+        local_top = a_unc.topk(n, dim=1).values
+        merged = replicated_gather(local_top, self.tp_group, dim=1).topk(n, dim=1).values
+        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
+        kl = gold_kl(a_common, b_common, merged.exp(), t_sorted, self.reverse)
+        if self.num_common:
+            top1 = a_common.argmax(-1) == b_common.argmax(-1)
+        else:
+            top1 = torch.zeros(rows, dtype=torch.bool, device=a.device)
+        return kl, top1
+
+    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        seg = blk.seg_dummy()
+        # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
+        g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
+        out.mul_((blk.factor * (inv_t * _with_zero_row(g_lz)[seg] + coef))[:, None])
+        out.add_(_with_zero_row(grad["x"])[seg], alpha=inv_t)

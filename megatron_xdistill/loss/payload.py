@@ -1,0 +1,141 @@
+"""What the teacher ships to the student: per-sample, per-chunk teacher distributions.
+
+A :class:`TeacherPayload` holds, for every chunk slot c in [0, C) of each sample, the chunk-level
+teacher distribution the student loss needs. It is complete over the teacher vocabulary (the
+teacher-TP reductions are done) and independent of both models' parallel layouts, so the runtime
+routes its rows sample by sample. :meth:`TeacherPayload.to_flat` / :meth:`TeacherPayload.from_flat`
+give one float32 row per sample whose width :class:`PayloadSpec` knows from sizes alone.
+
+Forms (``PayloadSpec.form``):
+
+``full``        ``logprobs`` [B, C, V_t]: chunk-mean teacher log-probs over all of V_t (exact).
+``topk``        ``logprobs`` [B, C, k] on ``columns`` [B, k]: the teacher microbatch's top-k
+                columns by largest logit (NeMo-RL ``vocab_topk``; the softmax is taken within K).
+``chunk_topk``  ``logprobs`` [B, C, k] on ``columns`` [B, C, k] (each chunk's k most probable
+                teacher tokens) + ``tail_logprob`` [B, C] (log of the rest's summed mass).
+``gold``        ``logprobs`` [B, C, M] at the common teacher ids (in the order of the common
+                pairs) + ``uncommon_probs`` [B, C, L], the uncommon probs sorted descending.
+
+``has_teacher`` [B, C]: the chunk has at least one teacher predicting position. Rows of chunks
+without one hold zeros (and column 0) and must not be used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FORMS = ("full", "topk", "chunk_topk", "gold")
+_MAX_EXACT_ID = 1 << 24  # float32 holds every integer below this exactly
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """Shape of a payload: ``form``, ``num_chunks`` C, ``width`` (columns per chunk row:
+    V_t / k / k / M), ``uncommon`` (gold: L sorted uncommon probs per chunk)."""
+
+    form: str
+    num_chunks: int
+    width: int
+    uncommon: int = 0
+
+    def __post_init__(self) -> None:
+        if self.form not in FORMS:
+            raise ValueError(f"payload form must be one of {FORMS}, got {self.form!r}")
+        if self.num_chunks < 0 or self.width < 0 or self.uncommon < 0:
+            raise ValueError(f"payload sizes must be >= 0: {self}")
+        if self.uncommon and self.form != "gold":
+            raise ValueError("only the gold form carries uncommon probabilities")
+
+    def _parts(self) -> list[tuple[str, tuple[int, ...]]]:
+        c, w = self.num_chunks, self.width
+        parts = [("logprobs", (c, w)), ("has_teacher", (c,))]
+        if self.form == "topk":
+            parts.append(("columns", (w,)))
+        if self.form == "chunk_topk":
+            parts += [("columns", (c, w)), ("tail_logprob", (c,))]
+        if self.form == "gold":
+            parts.append(("uncommon_probs", (c, self.uncommon)))
+        return parts
+
+    @property
+    def numel(self) -> int:
+        """float32 elements per sample in the flat form."""
+        total = 0
+        for _, shape in self._parts():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes per sample in the flat form."""
+        return 4 * self.numel
+
+    def bytes_per_token(self, tokens_per_sample: int) -> float:
+        """Transport cost per (student or teacher) token of a sample of that length."""
+        return self.nbytes / max(tokens_per_sample, 1)
+
+
+@dataclass
+class TeacherPayload:
+    """Chunk-level teacher distributions of one microbatch (see the module docstring)."""
+
+    spec: PayloadSpec
+    logprobs: torch.Tensor
+    has_teacher: torch.Tensor
+    columns: torch.Tensor | None = None
+    tail_logprob: torch.Tensor | None = None
+    uncommon_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        b = self.logprobs.shape[0]
+        for name, shape in self.spec._parts():
+            value = getattr(self, name)
+            if value is None or tuple(value.shape) != (b, *shape):
+                got = None if value is None else tuple(value.shape)
+                raise ValueError(f"{self.spec.form} payload: {name} must be {(b, *shape)}, got {got}")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.logprobs.shape[0])
+
+    def to_flat(self) -> torch.Tensor:
+        """One float32 row per sample: [B, spec.numel] (columns as exact float32 integers)."""
+        rows = []
+        for name, _ in self.spec._parts():
+            value = getattr(self, name)
+            if name == "columns" and value.numel() and int(value.max()) >= _MAX_EXACT_ID:
+                raise ValueError("teacher ids >= 2**24 do not survive float32 transport")
+            rows.append(value.reshape(self.batch_size, -1).to(torch.float32))
+        if not rows:
+            return torch.zeros(self.batch_size, 0)
+        return torch.cat(rows, dim=1)
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, spec: PayloadSpec) -> TeacherPayload:
+        """Inverse of :meth:`to_flat` (``flat`` [B, spec.numel], e.g. routed rows stacked)."""
+        if flat.dim() != 2 or flat.shape[1] != spec.numel:
+            raise ValueError(f"flat payload must be [B, {spec.numel}], got {tuple(flat.shape)}")
+        values, offset = {}, 0
+        for name, shape in spec._parts():
+            n = 1
+            for s in shape:
+                n *= s
+            part = flat[:, offset: offset + n].reshape(flat.shape[0], *shape)
+            offset += n
+            if name == "columns":
+                part = part.to(torch.int64)
+            elif name == "has_teacher":
+                part = part > 0.5
+            values[name] = part
+        return cls(spec=spec, **values)
+
+    def select(self, samples: torch.Tensor | list[int]) -> TeacherPayload:
+        """The payload of a subset of samples (rows in the given order)."""
+        index = torch.as_tensor(samples, dtype=torch.int64, device=self.logprobs.device)
+        values = {name: getattr(self, name).index_select(0, index) for name, _ in self.spec._parts()}
+        return TeacherPayload(spec=self.spec, **values)

@@ -1,0 +1,154 @@
+"""Dense single-process reference of the cross-tokenizer losses, straight from DESIGN.md.
+
+Everything is materialised ([B, T, V] probabilities, dense W, one-hot chunk membership), so it is
+only for small vocabularies: tests and benchmarks compare the parallel implementation with it.
+
+Chunk ids are the *unshifted* chunk index of each token (-1 none); the next-token shift is applied
+here. A chunk counts when it is valid (and exact, with ``exact_only``) and has at least one
+predicting position on both sides. Loss = T^2 * sum_c KL_c / (number of counted chunks).
+
+Teacher column set K of P-KL: all of V_t by default; ``vocab_topk=k`` takes NeMo-RL's
+microbatch-global top-k (largest teacher logit anywhere in the batch, per column);
+``chunk_topk=k`` the compressed form (each chunk's k most probable teacher tokens plus one bucket
+holding the rest of V_t).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .common import (
+    UNCOMMON_TOPK,
+    check_mode,
+    common_vocab_from_dense,
+    gold_uncommon_len,
+    shift_chunk_ids,
+)
+from .formulas import chunk_topk_columns, gold_kl, projected_kl
+
+
+@dataclass
+class ReferenceDetails:
+    """Per-chunk view: ``per_chunk`` [B, C] = T^2 * KL_c (0 where not counted)."""
+
+    per_chunk: torch.Tensor
+    counted: torch.Tensor
+    top1: torch.Tensor
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self.per_chunk.sum() / self.counted.sum().clamp_min(1)
+
+
+def _membership(chunk_id: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """One-hot [B, C, T]: position t predicts chunk c."""
+    ids = shift_chunk_ids(chunk_id)
+    return (ids[:, None, :] == torch.arange(num_chunks)[None, :, None]).float()
+
+
+def _chunk_mean(member: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` [B, T, V] over each chunk's predicting positions -> [B, C, V]."""
+    return member @ values / member.sum(-1, keepdim=True).clamp_min(1)
+
+
+def kd_loss_details(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_chunk_id: torch.Tensor,
+    teacher_chunk_id: torch.Tensor,
+    chunk_valid: torch.Tensor,
+    chunk_exact: torch.Tensor,
+    projection: torch.Tensor,
+    mode: str = "pkl",
+    temperature: float = 1.0,
+    reverse: bool = False,
+    exact_only: bool = False,
+    *,
+    vocab_topk: int | None = None,
+    chunk_topk: int | None = None,
+    uncommon_topk: int = UNCOMMON_TOPK,
+) -> ReferenceDetails:
+    """Per-chunk losses; see :func:`kd_loss`."""
+    check_mode(mode)
+    temp = float(temperature)
+    num_chunks = chunk_valid.shape[1]
+    m_s = _membership(student_chunk_id, num_chunks)
+    m_t = _membership(teacher_chunk_id, num_chunks)
+    counted = chunk_valid.bool() & (m_s.sum(-1) > 0) & (m_t.sum(-1) > 0)
+    if exact_only:
+        counted &= chunk_exact.bool()
+    z = student_logits.float() / temp
+    u = teacher_logits.float() / temp
+    logp_s = F.log_softmax(z, dim=-1)
+    logp_t = F.log_softmax(u, dim=-1)
+
+    if mode == "pkl":
+        q_mean = _chunk_mean(m_s, logp_s.exp() @ projection.float())  # [B, C, V_t]
+        tail = total = None
+        if vocab_topk is not None:
+            importance = teacher_logits.float().reshape(-1, teacher_logits.shape[-1]).amax(0)
+            cols = importance.topk(min(vocab_topk, importance.numel())).indices.sort().values
+            t_log = _chunk_mean(m_t, F.log_softmax(u[..., cols], dim=-1))
+            q_k = q_mean[..., cols]
+        elif chunk_topk is not None:
+            t_log, cols, tail = chunk_topk_columns(_chunk_mean(m_t, logp_t), chunk_topk)
+            q_k = q_mean.gather(-1, cols)
+            total = q_mean.sum(-1)
+        else:
+            t_log, q_k = _chunk_mean(m_t, logp_t), q_mean
+        kl = projected_kl(t_log, q_k, total, reverse, tail)
+        top1 = q_k.argmax(-1) == t_log.argmax(-1)
+    else:
+        common_s, common_t = common_vocab_from_dense(projection, mode)
+        a = _chunk_mean(m_s, logp_s)
+        b = _chunk_mean(m_t, logp_t)
+        vs, vt = a.shape[-1], b.shape[-1]
+        unc_s = torch.ones(vs, dtype=torch.bool)
+        unc_s[common_s] = False
+        unc_t = torch.ones(vt, dtype=torch.bool)
+        unc_t[common_t] = False
+        n = gold_uncommon_len(vs, vt, common_s.numel(), uncommon_topk)
+        s_sorted = a[..., unc_s].exp().topk(n, dim=-1).values
+        t_sorted = b[..., unc_t].exp().topk(n, dim=-1).values
+        a_c, b_c = a[..., common_s], b[..., common_t]
+        kl = gold_kl(a_c, b_c, s_sorted, t_sorted, reverse)
+        if common_s.numel():
+            top1 = a_c.argmax(-1) == b_c.argmax(-1)
+        else:
+            top1 = torch.zeros_like(counted)
+    per_chunk = torch.where(counted, kl * temp * temp, torch.zeros_like(kl))
+    return ReferenceDetails(per_chunk, counted, top1 & counted)
+
+
+def kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    student_chunk_id: torch.Tensor,
+    teacher_chunk_id: torch.Tensor,
+    chunk_valid: torch.Tensor,
+    chunk_exact: torch.Tensor,
+    projection: torch.Tensor,
+    mode: str = "pkl",
+    temperature: float = 1.0,
+    reverse: bool = False,
+    exact_only: bool = False,
+    *,
+    vocab_topk: int | None = None,
+    chunk_topk: int | None = None,
+    uncommon_topk: int = UNCOMMON_TOPK,
+) -> torch.Tensor:
+    """Cross-tokenizer KD loss (scalar): T^2 * mean over counted chunks of KL_c.
+
+    ``student_logits`` [B, T_s, V_s], ``teacher_logits`` [B, T_t, V_t], chunk ids [B, T] (the
+    unshifted chunk of each token, -1 none), ``chunk_valid``/``chunk_exact`` [B, C], ``projection``
+    dense W [V_s, V_t]. ``mode``: "pkl" (projected KL), "gold" (strict common vocabulary) or
+    "hkl" (xtoken common vocabulary). ``reverse``: KL(student || teacher).
+    """
+    return kd_loss_details(
+        student_logits, teacher_logits, student_chunk_id, teacher_chunk_id, chunk_valid,
+        chunk_exact, projection, mode, temperature, reverse, exact_only,
+        vocab_topk=vocab_topk, chunk_topk=chunk_topk, uncommon_topk=uncommon_topk,
+    ).loss

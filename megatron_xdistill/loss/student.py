@@ -1,0 +1,491 @@
+"""Student side: the vocab-parallel, CP-aware, chunked cross-tokenizer loss (+ fused CE).
+
+:func:`parallel_kd_loss` runs one custom autograd Function over the student's local logits
+[B, T_local, V_local] (this TP rank's vocabulary shard of this CP rank's positions). Per block of
+positions (whole chunks, about ``block_bytes`` of fp32 logits): log-partition with one max and one
+sum all-reduce over TP (the latter also carries CE's target logit), then the kernel's per-chunk raw
+sums. Chunks held whole by the rank are finished with the TP reduction of their [rows, |K|] sums
+(kernels with small K: once, after all blocks; with all of V_t or the gold split: per block);
+chunks split over CP are summed over CP first. Backward recomputes the block's softmax from the
+saved log-partitions (never storing [T, V] probabilities) and writes the gradient block by block,
+so the extra memory is a few [block, V_local] buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .chunks import ChunkRows, build_chunk_rows
+from .collectives import Group, all_gather, all_reduce, group_rank
+from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
+from .modes import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
+from .payload import TeacherPayload
+from .shard import ProjectionShard
+from .workspace import scratch
+
+#: Default size of one block's fp32 [block, V_local] buffer.
+BLOCK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class KDTerms:
+    """Local sums of one microbatch on one rank (divide by counts summed over DP x CP).
+
+    ``kd_sum``: sum over the chunks this rank counts of T^2 * KL_c (differentiable).
+    ``kd_count``: those chunks. ``top1``: of them, chunks whose projected (or common-vocabulary)
+    argmax equals the teacher's. ``ce_sum``/``ce_count``: next-token CE (T = 1) over this rank's
+    labelled positions (0 without labels; differentiable).
+    """
+
+    kd_sum: torch.Tensor
+    kd_count: torch.Tensor
+    top1: torch.Tensor
+    ce_sum: torch.Tensor
+    ce_count: torch.Tensor
+
+
+def _take(raw: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v.index_select(0, index) for k, v in raw.items()}
+
+
+class _Plan:
+    """Everything one call needs; forward/backward of the autograd Function live here."""
+
+    def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
+                 temperature: float, labels: torch.Tensor | None, tp_group: Group,
+                 cp_group: Group, max_block: int, rowsum: torch.Tensor | None) -> None:
+        self.rows, self.kernel = rows, kernel
+        self.num_real, self.vocab_start = num_real, vocab_start
+        self.temp = float(temperature)
+        self.labels = labels
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.max_block = max_block
+        self.rowsum = rowsum  # tail bucket: W's row sums on the real local rows
+        self.dtype = torch.float32  # compute dtype (float64 for float64 logits, e.g. gradcheck)
+        self.split_raw: Raw | None = None
+
+    # ----------------------------------------------------------------- shared helpers
+    def _workspace(self, n: int, like: torch.Tensor, name: str) -> torch.Tensor:
+        """A [n, V_real] view of a persistent scratch buffer (see :func:`scratch`)."""
+        return scratch(name, n * self.num_real, like.device, self.dtype).view(n, self.num_real)
+
+    def _x(self, logits2d: torch.Tensor, start: int, end: int, unscaled: bool = False
+           ) -> torch.Tensor:
+        """logits / T (or the logits) of the block in the compute dtype (a view if possible)."""
+        scale = 1.0 if unscaled else 1.0 / self.temp
+        z = logits2d[start:end, : self.num_real]
+        if z.dtype == self.dtype and scale == 1.0:
+            return z
+        x = self._workspace(end - start, z, "z" if unscaled else "x")
+        if z.dtype == self.dtype:
+            return torch.mul(z, scale, out=x)
+        x.copy_(z)
+        return x if scale == 1.0 else x.mul_(scale)
+
+    def _local_softmax(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Softmax of x over this shard's columns into ``out``; returns its log-partition."""
+        if self.num_real == 0:
+            return x.new_full((x.shape[0],), float("-inf"))
+        torch.ops.aten._softmax.out(x, 1, False, out=out)
+        return x.amax(1) - out.amax(1).log()  # the largest p is 1 / sum exp(x - max x)
+
+    def _targets(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(position has a label, local column of the label or -1) for positions [start, end)."""
+        y = self.labels[start:end]
+        col = y - self.vocab_start
+        local = (y >= 0) & (col >= 0) & (col < self.num_real)
+        return y >= 0, torch.where(local, col, -1)
+
+    @property
+    def _ce_extra(self) -> bool:
+        """CE needs its own softmax (T != 1)."""
+        return self.labels is not None and self.temp != 1.0
+
+    def _block(self, x, probs_local, lz_local, blk) -> BlockData:
+        seg = self.rows.pos_row[blk.start: blk.end].to(x.device)
+        seg = torch.where(seg >= 0, seg - blk.row_start, seg)
+        logz = self.logz[blk.start: blk.end]
+        extra = None if self.extra is None else self.extra[blk.start: blk.end]
+        return BlockData(x, probs_local, torch.exp(lz_local - logz), logz, seg,
+                         blk.row_end - blk.row_start, blk.row_start, extra)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, kernel = self.rows, self.kernel
+        logits2d = logits.view(-1, logits.shape[-1])
+        n_pos = logits2d.shape[0]
+        dev = logits.device
+        self.dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        if self.rowsum is not None:
+            self.rowsum = self.rowsum.to(self.dtype)
+        opts = {"device": dev, "dtype": self.dtype}
+        self.logz, self.lz_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
+        if self._ce_extra:
+            self.logz1, self.lz1_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
+        self.extra = torch.empty(n_pos, **opts) if self.rowsum is not None else None
+        acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
+        raws, split_buf = [], None
+        for blk in rows.blocks:
+            x = self._x(logits2d, blk.start, blk.end)
+            probs = self._workspace(blk.end - blk.start, x, "p")
+            lz_local = self._partition(x, probs, logits2d, blk.start, blk.end, acc)
+            if blk.row_end == blk.row_start:
+                continue
+            data = self._block(x, probs, lz_local, blk)
+            raw = kernel.raw(data)
+            if kernel.per_block:
+                split_buf = self._stash_split(raw, blk, split_buf)
+                acc[:2] += self._finish_local(raw, blk)
+            else:
+                raws.append(raw)
+        if not kernel.per_block:
+            self.raw_all = {k: torch.cat([r[k] for r in raws]) for k in raws[0]} if raws else {}
+            if raws:
+                local = rows.local_rows.to(dev)
+                self.raw_local = _take(self.raw_all, local)
+                kl, t1 = kernel.kl(self.raw_local, rows.keys[local].to(dev),
+                                   rows.count[local].to(dev))
+                acc[0] += kl.double().sum()
+                acc[1] += t1.double().sum()
+                split_buf = self._stash_split(self.raw_all, None, split_buf)
+        acc[:2] += self._finish_split(split_buf, logits2d)
+        self.kd_count = rows.owned.sum().double()
+        self.top1 = acc[1]
+        self.ce_count = (torch.zeros((), dtype=torch.float64) if self.labels is None
+                         else (self.labels >= 0).sum().double())
+        return (acc[0] * self.temp ** 2).to(self.dtype), acc[2].to(self.dtype)
+
+    def _partition(self, x, probs, logits2d, start: int, end: int, acc) -> torch.Tensor:
+        """Local softmax into ``probs``; TP-wide log-partitions (and CE's) into the saved
+        per-position values; adds this block's CE to ``acc[2]``. Returns the local log-partition.
+        One max and one sum all-reduce over TP."""
+        lz_local = self._local_softmax(x, probs)
+        maxes = [lz_local]
+        if self._ce_extra:  # CE's partition at T = 1 needs a softmax of its own
+            z = self._x(logits2d, start, end, unscaled=True)
+            lz1 = self._local_softmax(z, self._workspace(end - start, x, "p1"))
+            maxes.append(lz1)
+        top = all_reduce(torch.stack(maxes, 1).contiguous(), self.tp_group, "max")
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        sums = [torch.exp(lz_local - top[:, 0])]
+        if self._ce_extra:
+            sums.append(torch.exp(lz1 - top[:, 1]))
+        if self.labels is not None:
+            _, col = self._targets(start, end)
+            picked = logits2d[start:end].gather(1, col.clamp_min(0)[:, None])[:, 0]
+            sums.append(torch.where(col >= 0, picked.to(self.dtype), torch.zeros_like(lz_local)))
+        stats = all_reduce(torch.stack(sums, 1).contiguous(), self.tp_group)
+        logz = top[:, 0] + stats[:, 0].log()
+        self.logz[start:end], self.lz_local[start:end] = logz, lz_local
+        if self.extra is not None:  # this shard's share of the projected mass (summed in kl)
+            self.extra[start:end] = (probs @ self.rowsum) * torch.exp(lz_local - logz)
+        if self.labels is not None:
+            logz1 = logz
+            if self._ce_extra:
+                logz1 = top[:, 1] + stats[:, 1].log()
+                self.logz1[start:end], self.lz1_local[start:end] = logz1, lz1
+            has, _ = self._targets(start, end)
+            acc[2] += torch.where(has, logz1 - stats[:, -1], torch.zeros_like(logz1)).sum()
+        return lz_local
+
+    def _stash_split(self, raw: Raw, blk, buf: Raw | None) -> Raw | None:
+        """Copy the raw sums of split rows (of a block, or of all rows) into the CP buffer."""
+        rows = self.rows
+        if rows.split_keys.numel() == 0:
+            return None
+        if buf is None:
+            n = rows.split_keys.numel()
+            buf = {k: v.new_zeros(n, *v.shape[1:]) for k, v in raw.items()}
+        lo, hi = (0, rows.num_rows) if blk is None else (blk.row_start, blk.row_end)
+        slot = rows.split_slot[lo:hi]
+        sel = torch.nonzero(slot >= 0, as_tuple=True)[0]
+        if sel.numel():
+            dst = slot[sel].to(next(iter(buf.values())).device)
+            sel = sel.to(dst.device)
+            for k, v in raw.items():
+                buf[k][dst] = v.index_select(0, sel)
+        return buf
+
+    def _finish_local(self, raw: Raw, blk) -> torch.Tensor:
+        """(KL sum, top-1 matches) of a block's rows held whole by this rank."""
+        rows = self.rows
+        slot = rows.split_slot[blk.row_start: blk.row_end]
+        sel = torch.nonzero(slot < 0, as_tuple=True)[0]
+        dev = next(iter(raw.values())).device
+        if sel.numel() == 0:
+            return torch.zeros(2, dtype=torch.float64, device=dev)
+        keys = rows.keys[blk.row_start: blk.row_end][sel].to(dev)
+        counts = rows.count[blk.row_start: blk.row_end][sel].to(dev)
+        kl, t1 = self.kernel.kl(_take(raw, sel.to(dev)), keys, counts)
+        return torch.stack([kl.double().sum(), t1.double().sum()])
+
+    def _finish_split(self, buf: Raw | None, like: torch.Tensor) -> torch.Tensor:
+        """(KL sum, top-1 matches) of the split chunks this rank owns, after the CP sum."""
+        rows = self.rows
+        out = torch.zeros(2, dtype=torch.float64, device=like.device)
+        if rows.split_keys.numel() == 0:
+            return out
+        if buf is None:  # no rows here: contribute zeros to the CP sum
+            buf = self.kernel.empty_raw(rows.split_keys.numel(), like.new_empty(0, dtype=self.dtype))
+        for v in buf.values():
+            all_reduce(v, self.cp_group)
+        self.split_raw = buf
+        dev = like.device
+        owner = (rows.split_owner == group_rank(self.cp_group)).to(dev)
+        kl, t1 = self.kernel.kl(buf, rows.split_keys.to(dev),
+                                rows.key_count[rows.split_keys].to(dev))
+        return torch.stack([(kl.double() * owner).sum(), (t1.double() * owner).sum()])
+
+    # ----------------------------------------------------------------- backward
+    def _grad_of(self, raw: Raw, keys, counts, weight) -> Raw:
+        """d(sum_r weight_r * T^2 * KL_r) / d raw (weight: scalar or per row)."""
+        leaves = {k: v.detach().requires_grad_(True) for k, v in raw.items()}
+        with torch.enable_grad():
+            kl, _ = self.kernel.kl(leaves, keys, counts)
+            total = (kl * weight).sum() * (self.temp * self.temp)
+            names = list(leaves)
+            grads = torch.autograd.grad(total, [leaves[k] for k in names], allow_unused=True)
+        return {k: (torch.zeros_like(leaves[k]) if g is None else g)
+                for k, g in zip(names, grads)}
+
+    def backward(self, logits: torch.Tensor, g_kd: torch.Tensor | None,
+                 g_ce: torch.Tensor | None) -> torch.Tensor:
+        rows, kernel = self.rows, self.kernel
+        dev = logits.device
+        g_kd = (torch.zeros((), device=dev) if g_kd is None else g_kd).to(self.dtype)
+        g_ce = (torch.zeros((), device=dev) if g_ce is None else g_ce).to(self.dtype)
+        logits2d = logits.view(-1, logits.shape[-1])
+        grad_full = torch.empty_like(logits)
+        grad = grad_full.view(-1, logits.shape[-1])
+        if self.num_real < grad.shape[1]:
+            grad[:, self.num_real:] = 0
+        g_split = None
+        if self.split_raw is not None:  # weighted by the owning CP rank's upstream gradient
+            owner_g = torch.stack(all_gather(g_kd.reshape(1), self.cp_group))[:, 0]
+            g_split = self._grad_of(self.split_raw, rows.split_keys.to(dev),
+                                    rows.key_count[rows.split_keys].to(dev),
+                                    owner_g[rows.split_owner.to(dev)])
+        g_all = None
+        if not kernel.per_block and rows.num_rows:
+            local = rows.local_rows.to(dev)
+            g_local = self._grad_of(self.raw_local, rows.keys[local].to(dev),
+                                    rows.count[local].to(dev), g_kd)
+            g_all = {k: torch.zeros_like(v) for k, v in self.raw_all.items()}
+            split = rows.split_rows
+            for k in g_all:
+                g_all[k][local] = g_local[k]
+                if g_split is not None and split.numel():
+                    g_all[k][split.to(dev)] = g_split[k][rows.split_slot[split].to(dev)]
+        inv_t = 1.0 / self.temp
+        for blk in rows.blocks:
+            out = grad[blk.start: blk.end, : self.num_real]
+            has_rows = blk.row_end > blk.row_start
+            if not has_rows and self.labels is None:
+                out.zero_()
+                continue
+            n = blk.end - blk.start
+            direct = out.is_contiguous() and out.dtype == self.dtype
+            dx = out if direct else self._workspace(n, out, "dx")
+            x = self._x(logits2d, blk.start, blk.end)
+            torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
+            has = None
+            coef = torch.zeros(n, dtype=self.dtype, device=dev)
+            if self.labels is not None:
+                has, col = self._targets(blk.start, blk.end)
+                if not self._ce_extra:  # CE's softmax is the same p: fold it in
+                    coef = g_ce * has.to(self.dtype)
+            lz_local = self.lz_local[blk.start: blk.end]
+            if has_rows:
+                data = self._block(x, dx, lz_local, blk)
+                g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
+                kernel.backward_block(data, g_blk, inv_t, coef, dx)
+            else:
+                dx.mul_((coef * torch.exp(lz_local - self.logz[blk.start: blk.end]))[:, None])
+            if self.labels is not None:
+                self._ce_backward(dx, logits2d, blk.start, blk.end, g_ce, has, col)
+            if not direct:
+                out.copy_(dx)
+        return grad_full
+
+    def _block_grad(self, data: BlockData, g_all, g_split, g_kd, blk) -> Raw:
+        """Gradient of the KD sum with respect to the block rows' raw sums."""
+        rows, kernel = self.rows, self.kernel
+        if g_all is not None:
+            return {k: v[blk.row_start: blk.row_end] for k, v in g_all.items()}
+        raw = kernel.raw(data)  # per-block kernels: recompute, then the KL's gradient
+        out = {k: torch.zeros_like(v) for k, v in raw.items()}
+        slot = rows.split_slot[blk.row_start: blk.row_end]
+        local = torch.nonzero(slot < 0, as_tuple=True)[0]
+        dev = data.x.device
+        if local.numel():
+            keys = rows.keys[blk.row_start: blk.row_end][local].to(dev)
+            counts = rows.count[blk.row_start: blk.row_end][local].to(dev)
+            g = self._grad_of(_take(raw, local.to(dev)), keys, counts, g_kd)
+            for k in out:
+                out[k][local.to(dev)] = g[k]
+        split = torch.nonzero(slot >= 0, as_tuple=True)[0]
+        if split.numel():
+            for k in out:
+                out[k][split.to(dev)] = g_split[k][slot[split].to(dev)]
+        return out
+
+    def _ce_backward(self, dx, logits2d, start: int, end: int, g_ce, has, col) -> None:
+        """CE's gradient g_ce * (softmax(z) - onehot(label)); the softmax part is already in
+        ``dx`` unless T != 1."""
+        scale = g_ce * has.to(self.dtype)
+        if self._ce_extra:
+            z = self._x(logits2d, start, end, unscaled=True)
+            p1 = self._workspace(end - start, dx, "p1")
+            torch.ops.aten._softmax.out(z, 1, False, out=p1)
+            factor1 = torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
+            dx.addcmul_(p1, (scale * factor1)[:, None])
+        pos = torch.nonzero(col >= 0, as_tuple=True)[0]
+        dx[pos, col[pos]] -= scale[pos]
+
+
+class _KDFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, plan: _Plan):
+        kd, ce = plan.forward(logits)
+        ctx.plan = plan
+        ctx.save_for_backward(logits)
+        return kd, ce
+
+    @staticmethod
+    def backward(ctx, g_kd, g_ce):
+        (logits,) = ctx.saved_tensors
+        return ctx.plan.backward(logits, g_kd, g_ce), None
+
+
+def parallel_kd_loss(
+    student_logits: torch.Tensor,
+    payload: TeacherPayload | None,
+    student_chunk_id: torch.Tensor | None,
+    chunk_valid: torch.Tensor | None,
+    chunk_exact: torch.Tensor | None,
+    projection: ProjectionShard | tuple[torch.Tensor, torch.Tensor] | None,
+    *,
+    student_vocab_size: int,
+    mode: str = "pkl",
+    temperature: float = 1.0,
+    reverse: bool = False,
+    exact_only: bool = False,
+    common_student_ids: torch.Tensor | None = None,
+    uncommon_topk: int = UNCOMMON_TOPK,
+    labels: torch.Tensor | None = None,
+    tp_group: Group = None,
+    cp_group: Group = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> KDTerms:
+    """Local KD (and optionally CE) sums of one microbatch; see the package docstring.
+
+    ``student_logits`` [B, T_local, V_local]: this TP rank's vocabulary shard (Megatron's padded
+    vocabulary; columns >= ``student_vocab_size`` get no probability) of this CP rank's
+    positions, as GPTModel returns them with ``labels=None`` ([b, s, v]). ``student_chunk_id``
+    [B, T_local]: each local position's *predicting* chunk id (shift on the full sequence, then
+    slice for the CP rank). ``payload``: the teacher's rows for these B samples. ``projection``:
+    this rank's rows of W (``ProjectionMatrix.local_shard(vocab_start, vocab_end)`` or a
+    :class:`ProjectionShard`). Gold / H-KL take ``common_student_ids`` (the student side of
+    ``ProjectionMatrix.common_vocab("strict" | "xtoken")``, in pair order). ``labels`` [B, T_local]
+    (next-token ids, < 0 = none) adds the fused CE. With ``payload=None`` only CE is computed.
+    """
+    if student_logits.dim() != 3:
+        raise ValueError(f"student logits must be [B, T, V_local], got {tuple(student_logits.shape)}")
+    if not student_logits.is_contiguous():
+        student_logits = student_logits.contiguous()
+    check_mode(mode)
+    b, t, v_local = student_logits.shape
+    dev = student_logits.device
+    tp_rank = group_rank(tp_group)
+    vocab_start = tp_rank * v_local
+    num_real = max(0, min(v_local, student_vocab_size - vocab_start))
+    # Blocks of whole chunks of about block_bytes (same length on every TP rank), and at most
+    # 1/32 of the positions, so the scratch buffers stay a small share of the logits.
+    max_block = max(1, min(block_bytes // (4 * max(v_local, 1)), -(-b * t // 32)))
+    if labels is not None:
+        labels = labels.to(dev, torch.int64).reshape(-1)
+        if labels.numel() != b * t:
+            raise ValueError("labels must be [B, T_local] like the logits")
+
+    rowsum = None
+    if payload is None:
+        rows = build_chunk_rows(torch.full((b, t), -1, dtype=torch.int64), 0, None, None,
+                                max_block)
+        kernel = None
+    else:
+        kernel, rows, rowsum = _kernel(
+            payload, student_chunk_id, chunk_valid, chunk_exact, projection, mode, reverse,
+            exact_only, common_student_ids, uncommon_topk, student_vocab_size, vocab_start,
+            v_local, num_real, tp_group, cp_group, max_block, dev)
+    plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
+                 vocab_start=vocab_start, temperature=temperature, labels=labels,
+                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows),
+                 rowsum=rowsum)
+    kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
+    return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
+                   ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
+
+
+class _NoKernel:
+    """CE only: no chunk rows."""
+
+    per_block = False
+
+
+def _longest(rows: ChunkRows) -> int:
+    return max((blk.end - blk.start for blk in rows.blocks), default=0)
+
+
+def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, reverse, exact_only,
+            common_student_ids, uncommon_topk, vs, vocab_start, v_local, num_real, tp_group,
+            cp_group, max_block, dev):
+    form = payload.spec.form
+    if (mode == "pkl") == (form == "gold"):
+        raise ValueError(f"mode {mode!r} cannot use a {form!r} teacher payload")
+    b = chunk_id.shape[0]
+    if payload.batch_size != b or chunk_valid.shape != (b, payload.spec.num_chunks):
+        raise ValueError(
+            f"payload ({payload.batch_size} samples, {payload.spec.num_chunks} chunks) and "
+            f"chunk_valid {tuple(chunk_valid.shape)} disagree with {b} samples")
+    include = chunk_valid.bool().cpu() & payload.has_teacher.bool().cpu()
+    if exact_only:
+        include &= chunk_exact.bool().cpu()
+    rows = build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
+    rowsum = None
+    if mode == "pkl":
+        shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
+            projection[0], projection[1], vocab_start, _teacher_vocab(payload, projection))
+        if shard.num_rows != v_local:
+            raise ValueError(f"projection shard has {shard.num_rows} rows, logits {v_local}")
+        shard = shard.to(dev)
+        if form == "full":
+            kernel = DenseKernel(payload, shard, num_real, reverse, tp_group)
+        else:
+            kernel = ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), reverse, tp_group)
+            if kernel.tail:
+                rowsum = shard.rowsum[:num_real].contiguous()
+    else:
+        if common_student_ids is None:
+            raise ValueError(f"mode {mode!r} needs common_student_ids "
+                             f"(ProjectionMatrix.common_vocab({GOLD_RULES[mode]!r}))")
+        common = torch.as_tensor(common_student_ids, dtype=torch.int64, device=dev)
+        if common.numel() != payload.spec.width:
+            raise ValueError(f"{common.numel()} common ids but the payload has "
+                             f"{payload.spec.width} common columns")
+        n_unc = max(0, min(payload.spec.uncommon, vs - common.numel(), uncommon_topk))
+        kernel = GoldKernel(payload, common, vocab_start, num_real, n_unc, reverse, tp_group)
+    return kernel, rows, rowsum
+
+
+def _teacher_vocab(payload: TeacherPayload, projection) -> int:
+    if payload.spec.form == "full":
+        return payload.spec.width
+    idx = torch.as_tensor(projection[0])
+    hi = int(idx.max()) + 1 if idx.numel() else 0
+    cols = payload.columns
+    return max(hi, int(cols.max()) + 1 if cols.numel() else 0, 1)
+
+
+__all__ = ["BLOCK_BYTES", "KDTerms", "parallel_kd_loss"]

@@ -1,0 +1,256 @@
+"""Teacher side: turn the teacher's last-stage logits into a :class:`TeacherPayload`.
+
+Runs on every rank of the teacher's last pipeline stage. Input: this rank's logits shard
+[B, T_local, V_local] (vocabulary over teacher TP, positions over teacher CP in Megatron's 2*CP
+order; GPTModel with ``labels=None`` returns [b, s, v]) and the teacher *predicting* chunk id of
+each local position (shifted on the full sequence, then sliced for the CP rank). The reductions
+(log-softmax over TP, chunk means over CP, top-k across TP shards) happen here, so the result is
+the same on every TP/CP rank of the replica and independent of the teacher's layout.
+Columns >= ``vocab_size`` (Megatron's padding) get no probability.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunks import ChunkRows, build_chunk_rows
+from .collectives import Group, all_gather, all_reduce, group_rank
+from .common import TINY, UNCOMMON_TOPK
+from .payload import PayloadSpec, TeacherPayload
+from .student import BLOCK_BYTES
+
+
+def payload_spec(form: str, num_chunks: int, teacher_vocab_size: int, topk: int | None = None,
+                 num_common: int | None = None, uncommon_topk: int = UNCOMMON_TOPK) -> PayloadSpec:
+    """The payload shape for a loss configuration (known before any data: for routing plans).
+
+    ``form``: "full" (exact P-KL), "topk" (``topk`` microbatch-global columns), "chunk_topk"
+    (``topk`` columns per chunk + tail) or "gold" (``num_common`` common pairs).
+    """
+    if form in ("topk", "chunk_topk"):
+        if not topk or topk < 1:
+            raise ValueError(f"form {form!r} needs topk >= 1")
+        return PayloadSpec(form, num_chunks, min(topk, teacher_vocab_size))
+    if form == "gold":
+        if num_common is None:
+            raise ValueError("form 'gold' needs num_common (the number of common pairs)")
+        rest = max(0, min(uncommon_topk, teacher_vocab_size - num_common))
+        return PayloadSpec(form, num_chunks, num_common, rest)
+    return PayloadSpec(form, num_chunks, teacher_vocab_size)
+
+
+def _merge_topk(values: torch.Tensor, ids: torch.Tensor, k: int, group: Group
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global top-k (descending) from every TP rank's local top-k candidates [r, k]."""
+    if values.shape[1] < k:  # a short shard offers -inf candidates
+        pad = k - values.shape[1]
+        values = torch.cat([values, values.new_full((values.shape[0], pad), float("-inf"))], 1)
+        ids = torch.cat([ids, ids.new_zeros(ids.shape[0], pad)], 1)
+    all_v = torch.cat(all_gather(values.contiguous(), group), 1)
+    all_i = torch.cat(all_gather(ids.contiguous(), group), 1)
+    top_v, pos = all_v.topk(k, dim=1)
+    return top_v, all_i.gather(1, pos)
+
+
+class _Teacher:
+    def __init__(self, logits: torch.Tensor, spec: PayloadSpec, vocab_size: int,
+                 temperature: float, common_teacher_ids: torch.Tensor | None,
+                 tp_group: Group, cp_group: Group) -> None:
+        self.spec, self.temp = spec, float(temperature)
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.logits2d = logits.reshape(-1, logits.shape[-1])
+        v_local = logits.shape[-1]
+        self.vocab_start = group_rank(tp_group) * v_local
+        self.num_real = max(0, min(v_local, vocab_size - self.vocab_start))
+        self.dev = logits.device
+        if spec.form == "gold":
+            common = torch.as_tensor(common_teacher_ids, dtype=torch.int64, device=self.dev)
+            if common.numel() != spec.width:
+                raise ValueError(f"{common.numel()} common teacher ids, payload width {spec.width}")
+            local = (common >= self.vocab_start) & (common < self.vocab_start + self.num_real)
+            self.pair_local = torch.nonzero(local, as_tuple=True)[0]
+            self.col_common = common[local] - self.vocab_start
+
+    def x(self, start: int, end: int) -> torch.Tensor:
+        x = self.logits2d[start:end, : self.num_real].float()
+        return x / self.temp if self.temp != 1.0 else x
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        """log_softmax over the TP-wide real vocabulary (new tensor)."""
+        m = x.amax(1) if self.num_real else x.new_full((x.shape[0],), float("-inf"))
+        all_reduce(m, self.tp_group, "max")
+        out = x - m[:, None]
+        sums = all_reduce(out.exp().sum(1), self.tp_group)
+        return out.sub_(sums.log()[:, None])
+
+    # --------------------------------------------------------------- per-form finishing
+    def finish_chunk_topk(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        k = self.spec.width
+        vals, idx = mean.topk(min(k, self.num_real), dim=1)
+        top_v, top_i = _merge_topk(vals, idx + self.vocab_start, k, self.tp_group)
+        local = (top_i >= self.vocab_start) & (top_i < self.vocab_start + self.num_real)
+        rest = mean.clone()
+        rows = torch.arange(mean.shape[0], device=self.dev)[:, None].expand_as(top_i)
+        rest[rows[local], top_i[local] - self.vocab_start] = float("-inf")
+        tail = all_reduce(rest.exp().sum(1), self.tp_group)
+        return {"logprobs": top_v, "columns": top_i, "tail_logprob": tail.clamp_min(TINY).log()}
+
+    def finish_gold(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        rows = mean.shape[0]
+        common = mean.new_zeros(rows, self.spec.width)
+        common[:, self.pair_local] = mean[:, self.col_common]
+        all_reduce(common, self.tp_group)
+        n = self.spec.uncommon
+        rest = mean.clone()
+        rest[:, self.col_common] = float("-inf")
+        vals, idx = rest.topk(min(n, self.num_real), dim=1)
+        top_v, _ = _merge_topk(vals, idx, n, self.tp_group)
+        return {"logprobs": common, "uncommon_probs": top_v.exp()}
+
+    def finish_full(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        width = self.logits2d.shape[1]
+        padded = mean.new_zeros(mean.shape[0], width)
+        padded[:, : self.num_real] = mean
+        full = torch.cat(all_gather(padded, self.tp_group), 1)[:, : self.spec.width]
+        return {"logprobs": full}
+
+
+def teacher_payload(
+    logits: torch.Tensor,
+    pred_chunk_id: torch.Tensor,
+    spec: PayloadSpec,
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    common_teacher_ids: torch.Tensor | None = None,
+    tp_group: Group = None,
+    cp_group: Group = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> TeacherPayload:
+    """The payload of one teacher microbatch (identical on every TP/CP rank of the replica).
+
+    ``logits`` [B, T_local, V_local]; ``pred_chunk_id`` [B, T_local] (predicting chunk ids,
+    -1 none, slots < ``spec.num_chunks``); ``vocab_size``: the real teacher vocabulary V_t;
+    ``common_teacher_ids``: the teacher side of the common pairs (gold form).
+    """
+    if logits.dim() != 3 or pred_chunk_id.shape != logits.shape[:2]:
+        raise ValueError(f"teacher logits [B, T, V] {tuple(logits.shape)} and chunk ids "
+                         f"{tuple(pred_chunk_id.shape)} disagree")
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    t = _Teacher(logits, spec, vocab_size, temperature, common_teacher_ids, tp_group, cp_group)
+    rows = build_chunk_rows(pred_chunk_id, spec.num_chunks, None, cp_group,
+                            max(1, block_bytes // (4 * max(logits.shape[-1], 1))))
+    columns = None
+    if spec.form == "topk":
+        columns = _microbatch_topk(t, spec.width)
+    finish = {"full": t.finish_full, "chunk_topk": t.finish_chunk_topk,
+              "gold": t.finish_gold, "topk": None}[spec.form]
+    per_block = spec.form in ("chunk_topk", "gold")
+
+    done_rows, done_vals, sums = [], [], []
+    split_buf = None
+    for blk in rows.blocks:
+        if blk.row_end == blk.row_start:
+            continue
+        if spec.form == "topk":
+            values = _columns_log_softmax(t, blk.start, blk.end, columns)
+        else:
+            values = t.log_softmax(t.x(blk.start, blk.end))
+        seg = rows.pos_row[blk.start: blk.end].to(t.dev)
+        seg = torch.where(seg >= 0, seg - blk.row_start, blk.row_end - blk.row_start)
+        raw = values.new_zeros(blk.row_end - blk.row_start + 1, values.shape[1])
+        raw = raw.index_add_(0, seg, values)[:-1]
+        split_buf = _stash_split(rows, blk.row_start, blk.row_end, raw, split_buf)
+        local = torch.nonzero(rows.split_slot[blk.row_start: blk.row_end] < 0, as_tuple=True)[0]
+        if per_block:
+            if local.numel():
+                mean = raw[local.to(t.dev)] / rows.count[blk.row_start + local].to(raw)[:, None]
+                done_rows.append(blk.row_start + local)
+                done_vals.append(finish(mean))
+        else:
+            sums.append(raw)
+    if not per_block and sums:
+        raw_all = torch.cat(sums)
+        local = rows.local_rows
+        mean = raw_all[local.to(t.dev)] / rows.count[local].to(raw_all)[:, None]
+        done_rows.append(local)
+        done_vals.append({"logprobs": mean} if finish is None else finish(mean))
+    split_vals = _finish_split(t, rows, split_buf, finish, spec)
+    return _assemble(t, rows, spec, done_rows, done_vals, split_vals, columns,
+                     pred_chunk_id.shape[0])
+
+
+def _microbatch_topk(t: _Teacher, k: int) -> torch.Tensor:
+    """NeMo-RL ``vocab_topk``: the k columns with the largest logit anywhere in the microbatch."""
+    if t.num_real and t.logits2d.shape[0]:
+        importance = t.logits2d[:, : t.num_real].amax(0).float()
+    else:
+        importance = torch.full((t.num_real,), float("-inf"), device=t.dev)
+    all_reduce(importance, t.cp_group, "max")
+    vals, idx = importance[None].topk(min(k, t.num_real), dim=1)
+    _, top = _merge_topk(vals, idx + t.vocab_start, k, t.tp_group)
+    return top[0].sort().values
+
+
+def _columns_log_softmax(t: _Teacher, start: int, end: int, columns: torch.Tensor
+                         ) -> torch.Tensor:
+    """log_softmax of logits / T restricted to teacher ``columns`` (each on one TP rank)."""
+    local = (columns >= t.vocab_start) & (columns < t.vocab_start + t.num_real)
+    slot = torch.nonzero(local, as_tuple=True)[0]
+    vals = torch.zeros(end - start, columns.numel(), device=t.dev)
+    vals[:, slot] = t.logits2d[start:end, columns[slot] - t.vocab_start].float()
+    all_reduce(vals, t.tp_group)
+    return torch.log_softmax(vals / t.temp, dim=1)
+
+
+def _stash_split(rows: ChunkRows, lo: int, hi: int, raw: torch.Tensor, buf):
+    if rows.split_keys.numel() == 0:
+        return None
+    if buf is None:
+        buf = raw.new_zeros(rows.split_keys.numel(), raw.shape[1])
+    slot = rows.split_slot[lo:hi]
+    sel = torch.nonzero(slot >= 0, as_tuple=True)[0]
+    if sel.numel():
+        buf[slot[sel].to(buf.device)] = raw[sel.to(buf.device)]
+    return buf
+
+
+def _finish_split(t: _Teacher, rows: ChunkRows, buf, finish, spec: PayloadSpec):
+    n = rows.split_keys.numel()
+    if n == 0:
+        return None
+    if buf is None:
+        width = spec.width if spec.form == "topk" else t.num_real
+        buf = torch.zeros(n, width, device=t.dev)
+    all_reduce(buf, t.cp_group)
+    mean = buf / rows.key_count[rows.split_keys].to(buf)[:, None]
+    return {"logprobs": mean} if finish is None else finish(mean)
+
+
+_FIELDS = {"full": ("logprobs",), "topk": ("logprobs",),
+           "chunk_topk": ("logprobs", "columns", "tail_logprob"),
+           "gold": ("logprobs", "uncommon_probs")}
+
+
+def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_vals,
+              split_vals, columns, batch: int) -> TeacherPayload:
+    """Scatter every chunk's values (from its owning CP rank) and replicate them over CP."""
+    slots = batch * spec.num_chunks
+    shapes = {"logprobs": (spec.width,), "columns": (spec.width,), "tail_logprob": (),
+              "uncommon_probs": (spec.uncommon,)}
+    out: dict[str, torch.Tensor] = {}
+    for name in _FIELDS[spec.form]:
+        dtype = torch.int64 if name == "columns" else torch.float32
+        buf = torch.zeros(slots, *shapes[name], dtype=dtype, device=t.dev)
+        for r, vals in zip(done_rows, done_vals):
+            buf[rows.keys[r].to(t.dev)] = vals[name].to(dtype)
+        if split_vals is not None:
+            mine = rows.split_owner == group_rank(t.cp_group)
+            buf[rows.split_keys[mine].to(t.dev)] = split_vals[name][mine.to(t.dev)].to(dtype)
+        all_reduce(buf, t.cp_group)
+        out[name] = buf.view(batch, spec.num_chunks, *shapes[name])
+    if spec.form == "topk":
+        out["columns"] = columns.expand(batch, -1).contiguous()
+    has = (rows.key_count > 0).view(batch, spec.num_chunks).to(t.dev)
+    return TeacherPayload(spec=spec, has_teacher=has, **out)

@@ -1,0 +1,88 @@
+"""Total loss from one rank's local sums: KD and CE normalised by global counts, and metrics.
+
+L = w_kd * KD + w_ce * CE, or with dynamic scaling L = sg(CE / KD) * KD + CE (NeMo-RL's
+``dynamic_loss_scaling``: the KD term is rescaled to the CE term's magnitude, the scale carries no
+gradient). KD = T^2 * sum_c KL_c / N_chunks, CE = sum of token CE / N_tokens, where the counts are
+summed over the DP x CP ranks (TP and PP ranks hold the same chunks and are not counted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .collectives import Group, all_reduce
+from .common import shift_chunk_ids
+from .student import KDTerms
+
+
+def counted_chunks(student_chunk_id: torch.Tensor, teacher_chunk_id: torch.Tensor,
+                   chunk_valid: torch.Tensor, chunk_exact: torch.Tensor | None = None,
+                   exact_only: bool = False) -> torch.Tensor:
+    """[B, C] chunks the KD loss counts, from the full-sequence *unshifted* chunk ids.
+
+    Valid (and exact with ``exact_only``) chunks with a predicting position on both sides: what
+    :func:`parallel_kd_loss` counts over all CP ranks, computable before any forward pass (e.g. to
+    get the global N_chunks of a whole global batch up front).
+    """
+    out = chunk_valid.bool().clone()
+    for ids in (shift_chunk_ids(student_chunk_id), shift_chunk_ids(teacher_chunk_id)):
+        has = torch.zeros_like(out)
+        b, c = torch.nonzero(ids >= 0, as_tuple=True)
+        has[b, ids[b, c]] = True
+        out &= has
+    if exact_only:
+        out &= chunk_exact.bool()
+    return out
+
+
+def global_sums(terms: KDTerms, dp_cp_group: Group) -> dict[str, torch.Tensor]:
+    """This microbatch's sums over the DP x CP group (detached; one all-reduce)."""
+    local = torch.stack([terms.kd_sum.detach().double(), terms.kd_count.double(),
+                         terms.top1.double(), terms.ce_sum.detach().double(),
+                         terms.ce_count.double()])
+    total = all_reduce(local.contiguous(), dp_cp_group)
+    return dict(zip(("kd_sum", "kd_count", "top1", "ce_sum", "ce_count"), total))
+
+
+def total_loss(
+    terms: KDTerms,
+    *,
+    kd_weight: float = 1.0,
+    ce_weight: float = 1.0,
+    dynamic_scaling: bool = False,
+    kd_denominator: float | torch.Tensor | None = None,
+    ce_denominator: float | torch.Tensor | None = None,
+    dp_cp_group: Group = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(this rank's share of the loss, metrics); the shares summed over DP x CP are the loss.
+
+    Denominators default to this microbatch's counts summed over ``dp_cp_group``; pass the
+    global batch's counts (:func:`counted_chunks`, label tokens) to normalise over many
+    microbatches. Dynamic scaling uses this microbatch's DP x CP means of KD and CE. If the
+    gradient reduction averages over DP x CP (Megatron's DDP), multiply the share by dp * cp.
+    Metrics are this microbatch's DP x CP means (kd, ce, top1_agree) and counts.
+    """
+    sums = global_sums(terms, dp_cp_group)
+    n_kd = sums["kd_count"] if kd_denominator is None else torch.as_tensor(kd_denominator)
+    n_ce = sums["ce_count"] if ce_denominator is None else torch.as_tensor(ce_denominator)
+    n_kd = n_kd.double().clamp_min(1.0)
+    n_ce = n_ce.double().clamp_min(1.0)
+    kd = terms.kd_sum / n_kd.to(terms.kd_sum)
+    ce = terms.ce_sum / n_ce.to(terms.ce_sum)
+    kd_mean = sums["kd_sum"] / sums["kd_count"].clamp_min(1.0)
+    ce_mean = sums["ce_sum"] / sums["ce_count"].clamp_min(1.0)
+    if dynamic_scaling:
+        scale = (ce_mean / kd_mean) if float(kd_mean) > 0 else torch.ones((), dtype=torch.float64)
+        loss = scale.to(kd) * kd + ce
+    else:
+        scale = torch.tensor(float(kd_weight), dtype=torch.float64)
+        loss = kd_weight * kd + ce_weight * ce
+    metrics = {
+        "kd": float(kd_mean),
+        "ce": float(ce_mean),
+        "top1_agree": float(sums["top1"] / sums["kd_count"].clamp_min(1.0)),
+        "valid_chunks": float(sums["kd_count"]),
+        "ce_tokens": float(sums["ce_count"]),
+        "kd_scale": float(scale),
+    }
+    return loss, metrics
