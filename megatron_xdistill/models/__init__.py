@@ -1,5 +1,84 @@
-"""Megatron GPTModel builders and layer specs (torch-native everywhere, TE when installed)."""
+"""Megatron GPTModel builders from Hugging Face configs; layer specs (torch-native, TE when
+installed); model checkpoints that carry their own architecture.
+
+Supported: Llama (Llama 2/3.x, SmolLM2), Mistral (sliding window), Qwen2/Qwen2.5 (QKV bias, tied
+or untied head), Qwen3 (QK RMSNorm). See ``SUPPORTED_ARCHITECTURES``.
+
+API for the training runtime::
+
+    info = load_model_info(ckpt_dir)                       # ModelInfo from xdistill_model.json
+    config = transformer_config(info, tp, pp, cp, dtype)   # TransformerConfig for one layout
+    #   or: config, info = config_from_hf(hf_config_or_dir, tp, pp, cp, dtype)
+    model = build_gpt_model(info, config, pre_process, post_process,
+                            pg_collection=pgs, vp_stage=None)   # GPTModel for this stage
+    load_megatron_checkpoint(model, ckpt_dir, pg_collection=pgs)  # any TP/PP
+    save_megatron_checkpoint(model, out_dir, info, pg_collection=pgs)  # atomic
+    copy_hf_files(load_dir, run_root)  # tokenizer/config next to a run: export needs no template
+
+``ModelInfo`` fields: architecture, family, num_layers, hidden_size, ffn_hidden_size,
+num_attention_heads, num_query_groups, kv_channels, vocab_size (real; the loss normalises over
+it), max_position_embeddings (``seq_length``), norm_epsilon, rotary_base, rope_scaling
+(``RopeScaling`` or None), tie_word_embeddings, add_qkv_bias, qk_layernorm, sliding_window,
+attention_dropout, init_method_std, hf_dtype, make_vocab_size_divisible_by, hf_config; and
+``padded_vocab_size(tp)``: Megatron's padded vocabulary (multiple of
+``make_vocab_size_divisible_by * tp``) that the model's embedding and logits have; logit columns
+``>= vocab_size`` are padding and never real tokens.
+"""
 
 from megatron_xdistill import mcore_compat
 
 mcore_compat.install()
+
+from megatron_xdistill.models.builder import (  # noqa: E402
+    build_gpt_model,
+    check_layout,
+    config_from_hf,
+    torch_dtype,
+    transformer_config,
+)
+from megatron_xdistill.models.checkpoint import (  # noqa: E402
+    HF_FILES_DIR,
+    MODEL_INFO_FILE,
+    CheckpointError,
+    copy_hf_files,
+    hf_files_dir,
+    load_megatron_checkpoint,
+    load_model_info,
+    read_model_json,
+    resolve_checkpoint_dir,
+    save_megatron_checkpoint,
+    save_model_info,
+    sharded_model_state_dict,
+)
+from megatron_xdistill.models.hf_config import (  # noqa: E402
+    SUPPORTED_ARCHITECTURES,
+    ModelInfo,
+    RopeScaling,
+    UnsupportedModelError,
+    model_info_from_hf,
+)
+
+__all__ = [
+    "HF_FILES_DIR",
+    "MODEL_INFO_FILE",
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointError",
+    "ModelInfo",
+    "RopeScaling",
+    "UnsupportedModelError",
+    "build_gpt_model",
+    "check_layout",
+    "config_from_hf",
+    "copy_hf_files",
+    "hf_files_dir",
+    "load_megatron_checkpoint",
+    "load_model_info",
+    "model_info_from_hf",
+    "read_model_json",
+    "resolve_checkpoint_dir",
+    "save_megatron_checkpoint",
+    "save_model_info",
+    "sharded_model_state_dict",
+    "torch_dtype",
+    "transformer_config",
+]

@@ -3,7 +3,9 @@
 Megatron-Core's local ``DotProductAttention`` refuses CP > 1 (CP lives in TE there). This module
 takes its place in the layer spec: causal softmax attention with GQA and TP-local heads, and with
 CP it all-gathers K/V over the CP group and masks by the global positions of Megatron's
-load-balanced 2*CP layout. Correctness first: memory is O(s_local x s_global) per head.
+load-balanced 2*CP layout. ``config.window_size`` (sliding-window attention, Megatron's
+(left, right) convention: keys at positions q - left .. q) is honoured per layer as in Megatron's
+``is_layer_window_attention``. Correctness first: memory is O(s_local x s_global) per head.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 
 from megatron_xdistill.parallel.context_parallel import all_gather_sequence, local_positions
@@ -55,6 +58,13 @@ class TorchCoreAttention(MegatronModule):
             softmax_scale = config.softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.softmax_scale = softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.window_left = -1
+        if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                     layer_number):
+            left, right = config.window_size
+            if right not in (0, -1):
+                raise ValueError(f"TorchCoreAttention is causal; window_size right={right}")
+            self.window_left = left
 
     def _cp_size_rank(self) -> tuple[int, int]:
         if self.cp_group is None:
@@ -86,7 +96,10 @@ class TorchCoreAttention(MegatronModule):
             q_pos = torch.arange(s_local)
             k_pos = torch.arange(key.size(0))
         # Key position after query position -> masked (True = masked, Megatron's convention).
-        mask = (k_pos[None, :] > q_pos[:, None]).to(query.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        if self.window_left >= 0:
+            mask = mask | (k_pos[None, :] < q_pos[:, None] - self.window_left)
+        mask = mask.to(query.device)
         if attention_mask is not None and cp_size == 1:
             mask = mask | attention_mask.to(torch.bool)
 

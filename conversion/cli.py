@@ -1,0 +1,123 @@
+"""``xdistill-convert``: HF <-> Megatron checkpoint conversion and verification.
+
+    xdistill-convert hf-to-mcore --hf-dir DIR --out CKPT [--tp N --pp M] [--dtype bf16|fp32]
+    xdistill-convert mcore-to-hf --load CKPT --out DIR [--hf-template DIR] [--dtype bf16|fp32]
+    xdistill-convert verify --hf-dir DIR --load CKPT [--tp N --pp M]
+
+hf-to-mcore and verify run TP x PP CPU ranks (spawned here, or the world of ``torchrun``).
+Exit status: 0 ok, 1 verification above tolerance or a rank failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+_BAD_INPUT = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="xdistill-convert", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    imp = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron dist checkpoint")
+    imp.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
+    imp.add_argument("--out", required=True, help="checkpoint directory to create")
+    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that write")
+    imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks that write")
+    imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                     help="weights dtype (default: the HF config's)")
+    imp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+    exp = sub.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF folder")
+    exp.add_argument("--load", required=True,
+                     help="converted checkpoint, or a training run (its latest iteration)")
+    exp.add_argument("--out", required=True, help="HF folder to create")
+    exp.add_argument("--hf-template", default=None,
+                     help="HF folder whose config.json and tokenizer files to use")
+    exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                     help="weights dtype (default: the original HF model's)")
+    exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    exp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+
+    ver = sub.add_parser("verify", help="compare HF and Megatron logits on the same tokens")
+    ver.add_argument("--hf-dir", required=True)
+    ver.add_argument("--load", required=True)
+    ver.add_argument("--tp", type=int, default=1)
+    ver.add_argument("--pp", type=int, default=1)
+    ver.add_argument("--batch", type=int, default=2)
+    ver.add_argument("--seq-length", type=int, default=64)
+    ver.add_argument("--seed", type=int, default=0)
+    ver.add_argument("--random-tokens", action="store_true",
+                     help="only random ids (default: the first row is text, when a tokenizer is there)")
+    ver.add_argument("--max-rel-diff", type=float, default=1e-3,
+                     help="fail (exit 1) above this max |diff| / max |HF logit|")
+    ver.add_argument("--json", default=None, help="also write the metrics to this file")
+    return parser
+
+
+def _hf_to_mcore(args) -> int:
+    from conversion.atomic import check_output_dir
+    from conversion.hf_to_mcore import convert_hf_to_mcore, preflight
+    from conversion.launch import log, run_distributed
+
+    check_output_dir(args.out, args.overwrite)
+    info, _ = preflight(args.hf_dir, args.tp, args.pp)
+    log(f"{args.hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}; "
+        f"{args.tp * args.pp} rank(s)")
+    run_distributed(convert_hf_to_mcore, args.tp * args.pp, args.hf_dir, args.out, args.tp,
+                    args.pp, args.dtype, args.overwrite)
+    return 0
+
+
+def _mcore_to_hf(args) -> int:
+    from conversion.launch import run_distributed
+    from conversion.mcore_to_hf import convert_mcore_to_hf
+
+    run_distributed(convert_mcore_to_hf, 1, args.load, args.out, args.hf_template, args.dtype,
+                    args.max_shard_size_gb, args.overwrite)
+    return 0
+
+
+def _verify(args) -> int:
+    from conversion.launch import log, run_distributed
+    from conversion.verify import verify_conversion
+
+    metrics = run_distributed(verify_conversion, args.tp * args.pp, args.hf_dir, args.load,
+                              args.tp, args.pp, args.batch, args.seq_length, args.seed,
+                              not args.random_tokens)
+    ok = metrics["max_rel_diff"] <= args.max_rel_diff
+    metrics["passed"] = ok
+    log(f"TP={args.tp} PP={args.pp}, {args.batch}x{args.seq_length} tokens: "
+        f"max abs diff {metrics['max_abs_diff']:.3e}, max rel diff {metrics['max_rel_diff']:.3e} "
+        f"(max |logit| {metrics['max_abs_logit']:.2f}), mean abs diff "
+        f"{metrics['mean_abs_diff']:.3e}, top-1 agreement {metrics['top1_agreement']:.4f} -> "
+        f"{'PASS' if ok else 'FAIL'} (tolerance {args.max_rel_diff:g})")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(metrics, fh, indent=2)
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    # Conversion runs on the CPU with gloo, also on GPU machines (inherited by spawned ranks).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from megatron_xdistill.models import CheckpointError
+
+    start = time.time()
+    command = {"hf-to-mcore": _hf_to_mcore, "mcore-to-hf": _mcore_to_hf, "verify": _verify}
+    try:
+        status = command[args.command](args)
+    except (*_BAD_INPUT, CheckpointError) as exc:
+        print(f"xdistill-convert {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"[xdistill-convert] {args.command} done in {time.time() - start:.1f} s", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Run the HF model and the converted Megatron model on the same tokens and compare logits.
+
+The Megatron model runs at the requested TP x PP layout (fp32, torch-native spec, on the CPU)
+through Megatron's own forward-only pipeline schedule; its vocab-parallel logits are gathered
+over TP and the padded columns dropped. Reported: max abs difference, max relative difference
+(max abs difference over the largest |HF logit|), mean abs difference and top-1 agreement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from conversion.launch import layout_groups, log
+from megatron_xdistill.models import (
+    ModelInfo,
+    build_gpt_model,
+    load_megatron_checkpoint,
+    load_model_info,
+    model_info_from_hf,
+    transformer_config,
+)
+
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Knowledge distillation trains a small student "
+    "model to match the predictions of a larger teacher.\n\n"
+    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, "
+    "a + b\n    return a\n\nprint([fibonacci(i) for i in range(10)])\n"
+)
+
+
+def sample_tokens(hf_dir: str, info: ModelInfo, batch: int, seq_length: int,
+                  seed: int = 0, text: bool = True) -> torch.Tensor:
+    """[batch, seq_length] ids: row 0 is real text when ``text`` and the folder has a tokenizer;
+    the other rows (or all) are seeded random ids over the whole vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, info.vocab_size, (batch, seq_length), generator=gen)
+    if not text:
+        return tokens
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    except Exception:  # noqa: BLE001 - no (loadable) tokenizer: random ids only
+        return tokens
+    ids: list[int] = []
+    while len(ids) < seq_length:
+        ids += tokenizer(SAMPLE_TEXT, add_special_tokens=not ids)["input_ids"]
+    tokens[0] = torch.tensor(ids[:seq_length])
+    return tokens
+
+
+def megatron_logits(model, tokens: torch.Tensor, config, pg_collection) -> torch.Tensor | None:
+    """Logits [b, s, padded vocab] on the last pipeline stage (gathered over TP), else None."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    batch, seq = tokens.shape
+    positions = torch.arange(seq).expand(batch, seq)
+
+    def forward_step(data_iterator, module):
+        output = module(next(data_iterator), positions, None)
+        return output, lambda out, non_loss_data=False: out
+
+    pp = pg_collection.pp
+    model.eval()
+    with torch.no_grad():
+        outputs = get_forward_backward_func(pp_size=pp.size())(
+            forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model],
+            num_microbatches=1, seq_length=seq, micro_batch_size=batch, forward_only=True,
+            collect_non_loss_data=True,
+            p2p_communicator=P2PCommunicator(pp_group=pp, config=config),
+            pg_collection=pg_collection,
+        )
+    if pp.rank() != pp.size() - 1:
+        return None
+    local = outputs[0].float()
+    tp = pg_collection.tp
+    parts = [torch.empty_like(local) for _ in range(tp.size())]
+    dist.all_gather(parts, local.contiguous(), group=tp)
+    return torch.cat(parts, dim=-1)
+
+
+def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    """The HF model's fp32 logits (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                 attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def compare_logits(reference: torch.Tensor, actual: torch.Tensor) -> dict[str, float]:
+    """Max abs / max rel (over max |reference|) / mean abs difference and top-1 agreement."""
+    diff = (actual - reference).abs()
+    scale = reference.abs().max().clamp_min(1e-30)
+    agree = (actual.argmax(-1) == reference.argmax(-1)).float().mean()
+    return {"max_abs_diff": diff.max().item(), "max_rel_diff": (diff.max() / scale).item(),
+            "mean_abs_diff": diff.mean().item(), "top1_agreement": agree.item(),
+            "max_abs_logit": scale.item()}
+
+
+def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: int = 2,
+                      seq_length: int = 64, seed: int = 0, text: bool = True) -> dict[str, Any]:
+    """Collective: compare ``load`` (at TP x PP, DP = the rest) with the HF model in ``hf_dir``.
+
+    Returns the metrics on every rank.
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    info = load_model_info(load)
+    theirs = model_info_from_hf(hf_dir, info.make_vocab_size_divisible_by)
+    if theirs != info:
+        raise ValueError(f"{hf_dir} and {load} describe different models")
+    groups = layout_groups(tp, pp, who="verify")
+    reporter = dist.get_rank() == _reporting_rank(groups.layout)
+    tokens = torch.empty(batch, seq_length, dtype=torch.long)
+    if dist.get_rank() == 0:  # one tokenizer load, not one per rank
+        tokens = sample_tokens(hf_dir, info, batch, seq_length, seed, text)
+    dist.broadcast(tokens, src=0)
+    log(f"running HF and Megatron (TP={tp} PP={pp}) on {batch}x{seq_length} tokens")
+    # The HF model runs (and is freed) before the Megatron shard is built: peak memory is the
+    # larger of the two models, not their sum.
+    reference = hf_logits(hf_dir, tokens) if reporter else None
+    model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
+                                    force_reset_rng=True)
+    config = transformer_config(info, tp, pp, 1, torch.float32, perform_initialization=False,
+                                use_cpu_initialization=True)
+    model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
+    load_megatron_checkpoint(model, load, groups.pg_collection)
+    logits = megatron_logits(model, tokens, config, groups.pg_collection)
+    result: list[Any] = [None]
+    if reporter:
+        padded = logits[..., info.vocab_size:]
+        metrics = compare_logits(reference, logits[..., : info.vocab_size])
+        metrics["padded_logits_max_abs"] = padded.abs().max().item() if padded.numel() else 0.0
+        metrics.update(tp=tp, pp=pp, batch=batch, seq_length=seq_length)
+        result = [metrics]
+    dist.broadcast_object_list(result, src=_reporting_rank(groups.layout))
+    return result[0]
+
+
+def _reporting_rank(layout) -> int:
+    """Global rank of (tp 0, cp 0, dp 0, last pp stage) in Megatron's tp-cp-dp-pp order."""
+    return (layout.pp - 1) * layout.tp * layout.cp * layout.dp

@@ -1,0 +1,221 @@
+"""Model checkpoints: a dist_checkpointing (torch_dist) directory plus ``xdistill_model.json``.
+
+The JSON holds the :class:`ModelInfo` the weights belong to, so ``--load`` needs no architecture
+flags, and the tensors load at any TP/PP (dist_checkpointing reshards; padded vocab rows load with
+``allow_shape_mismatch``). Writes go to ``<dir>.tmp`` and are renamed only after every rank has
+finished, so an interrupted write never leaves a directory that looks complete.
+
+Megatron-LM training checkpoints (``<root>/latest_checkpointed_iteration.txt`` + ``iter_N/``) are
+accepted wherever a checkpoint directory is: the latest iteration is read, and the model info is
+found next to it or at the root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_xdistill import mcore_compat
+
+mcore_compat.install()
+
+from megatron.core import dist_checkpointing  # noqa: E402
+from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+
+from megatron_xdistill.models.hf_config import ModelInfo  # noqa: E402
+
+MODEL_INFO_FILE = "xdistill_model.json"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+FORMAT = "megatron-xdistill/model"
+FORMAT_VERSION = 1
+
+
+#: HF files kept in ``<ckpt>/hf_files/`` so an export writes a complete HF folder unaided.
+HF_FILES_DIR = "hf_files"
+HF_SIDE_FILES = (
+    "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint directory is missing, incomplete, or not one of ours."""
+
+
+def resolve_checkpoint_dir(path: str) -> str:
+    """The dist_checkpointing directory behind ``path`` (a training root -> its latest iter)."""
+    tracker = os.path.join(path, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        if not text.isdigit():
+            raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
+        path = os.path.join(path, f"iter_{int(text):07d}")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if not dist_checkpointing.check_is_distributed_checkpoint(path):
+        raise CheckpointError(f"{path}: not a complete dist_checkpointing checkpoint "
+                              "(no metadata.json); was the write interrupted?")
+    return path
+
+
+def _info_path(path: str) -> str | None:
+    candidates = [os.path.join(path, MODEL_INFO_FILE)]
+    if os.path.isfile(os.path.join(path, TRACKER_FILE)):
+        candidates.insert(0, os.path.join(resolve_checkpoint_dir(path), MODEL_INFO_FILE))
+    candidates.append(os.path.join(os.path.dirname(os.path.abspath(path)), MODEL_INFO_FILE))
+    return next((c for c in candidates if os.path.isfile(c)), None)
+
+
+def _atomic_write_json(path: str, data: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_model_info(info: ModelInfo, ckpt_dir: str, extra: dict[str, Any] | None = None) -> str:
+    """Write ``xdistill_model.json`` into ``ckpt_dir`` (atomically); returns its path."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, MODEL_INFO_FILE)
+    _atomic_write_json(path, {"format": FORMAT, "version": FORMAT_VERSION,
+                              "model_info": info.to_dict(), **(extra or {})})
+    return path
+
+
+def read_model_json(path: str) -> dict[str, Any]:
+    """The whole ``xdistill_model.json`` of a checkpoint (model info plus conversion notes)."""
+    info_path = _info_path(path)
+    if info_path is None:
+        raise CheckpointError(
+            f"{path}: no {MODEL_INFO_FILE}; not a megatron-xdistill checkpoint (create one with "
+            "`xdistill-convert hf-to-mcore`)")
+    with open(info_path) as fh:
+        data = json.load(fh)
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{info_path}: format {data.get('format')!r}, expected {FORMAT!r}")
+    if int(data.get("version", 0)) > FORMAT_VERSION:
+        raise CheckpointError(f"{info_path}: version {data['version']} is newer than this code "
+                              f"({FORMAT_VERSION})")
+    return data
+
+
+def load_model_info(path: str) -> ModelInfo:
+    """ModelInfo of a checkpoint (a converted checkpoint, or a training root / iteration)."""
+    return ModelInfo.from_dict(read_model_json(path)["model_info"])
+
+
+def hf_files_dir(path: str) -> str | None:
+    """The ``hf_files/`` of a checkpoint (or training run), or of its root; None if absent."""
+    candidates = [path, os.path.dirname(os.path.abspath(path))]
+    if os.path.isfile(os.path.join(path, TRACKER_FILE)):
+        candidates.insert(1, resolve_checkpoint_dir(path))
+    for candidate in candidates:
+        folder = os.path.join(candidate, HF_FILES_DIR)
+        if os.path.isdir(folder):
+            return folder
+    return None
+
+
+def copy_hf_files(source: str, ckpt_dir: str) -> list[str]:
+    """Copy config and tokenizer/generation files into ``<ckpt_dir>/hf_files`` from an HF model
+    folder or from another checkpoint (e.g. a training run's ``--load``); returns the names."""
+    folder = hf_files_dir(source) or source
+    target = os.path.join(ckpt_dir, HF_FILES_DIR)
+    os.makedirs(target, exist_ok=True)
+    copied = []
+    for name in HF_SIDE_FILES:
+        if os.path.isfile(os.path.join(folder, name)):
+            shutil.copy2(os.path.join(folder, name), target)
+            copied.append(name)
+    return copied
+
+
+def sharded_model_state_dict(model, pg_collection: ProcessGroupCollection | None = None) -> dict:
+    """``model.sharded_state_dict`` with the DP x CP group of ``pg_collection`` for replica ids."""
+    metadata = {"dp_cp_group": pg_collection.dp_cp} if pg_collection is not None else None
+    return model.sharded_state_dict(metadata=metadata)
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """Collective: True when every rank passes True (so a failure on one rank stops them all)."""
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def save_megatron_checkpoint(
+    model,
+    ckpt_dir: str,
+    info: ModelInfo,
+    pg_collection: ProcessGroupCollection | None = None,
+    overwrite: bool = False,
+    extra: dict[str, Any] | None = None,
+    before_commit: Callable[[str], None] | None = None,
+) -> str:
+    """Collective: save ``model`` (any layout) and its model info to ``ckpt_dir``, atomically.
+
+    ``before_commit(tmp_dir)`` runs on rank 0 after the tensors are written and before the
+    rename (e.g. to add tokenizer files). If it or any rank fails, nothing appears at
+    ``ckpt_dir`` and the temporary directory is removed. An existing ``ckpt_dir`` is replaced
+    only with ``overwrite=True``.
+    """
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    if os.path.exists(ckpt_dir) and not overwrite:
+        raise FileExistsError(f"{ckpt_dir} exists; pass overwrite=True (--overwrite) to replace")
+    rank = dist.get_rank()
+    tmp = ckpt_dir + ".tmp"
+    if rank == 0:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    dist.barrier()
+    error: BaseException | None = None
+    try:
+        dist_checkpointing.save(sharded_model_state_dict(model, pg_collection), tmp)
+        if rank == 0:
+            save_model_info(info, tmp, extra)
+            if before_commit is not None:
+                before_commit(tmp)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn about it, then re-raise
+        error = exc
+    ok = all_ranks_ok(error is None)
+    if rank == 0:
+        if ok:
+            old = ckpt_dir + ".old"
+            if os.path.exists(ckpt_dir):
+                os.replace(ckpt_dir, old)
+            os.replace(tmp, ckpt_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    if error is not None:
+        raise error
+    if not ok:
+        raise CheckpointError(f"saving {ckpt_dir} failed on another rank; nothing was written")
+    return ckpt_dir
+
+
+def load_megatron_checkpoint(
+    model, ckpt_dir: str, pg_collection: ProcessGroupCollection | None = None
+) -> str:
+    """Collective: load a checkpoint's model weights into ``model`` (any layout); returns the
+    dist_checkpointing directory read. A tensor the model needs but the checkpoint lacks raises;
+    extra checkpoint content (optimizer state of a training checkpoint) is ignored."""
+    path = resolve_checkpoint_dir(ckpt_dir)
+    state = dist_checkpointing.load(sharded_model_state_dict(model, pg_collection), path,
+                                    strict=StrictHandling.RAISE_UNEXPECTED)
+    model.load_state_dict(state)
+    return path

@@ -1,0 +1,221 @@
+"""What a Megatron GPTModel needs to know about a Hugging Face causal LM: :class:`ModelInfo`.
+
+:func:`model_info_from_hf` reads an HF config (a ``PretrainedConfig``, its dict, or a folder with
+``config.json``) of a supported family and checks everything the Megatron side cannot express
+(biases on other projections, unknown RoPE scaling, per-layer sliding windows...), so a model that
+converts is a model that computes the same function. The result is plain data: it travels with
+checkpoints as JSON and needs no ``transformers`` to read back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+#: HF architecture -> family. Llama covers Llama 2/3.x and SmolLM; Mistral adds a sliding window.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+#: HF ``rope_type`` values whose Megatron equivalent we build.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The HF model uses an architecture or a feature the Megatron side does not reproduce."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: ``linear`` (positions / factor) or Llama 3's ``llama3``."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Architecture of one HF causal LM in Megatron terms, independent of the parallel layout.
+
+    ``vocab_size`` is the real vocabulary (rows of the HF embedding, what the loss normalises
+    over); Megatron pads it per layout, see :meth:`padded_vocab_size`. ``hf_config`` is the full
+    HF config dict, written back on export.
+    """
+
+    architecture: str
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    norm_epsilon: float
+    rotary_base: float
+    tie_word_embeddings: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    rope_scaling: RopeScaling | None = None
+    sliding_window: int | None = None
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    hf_dtype: str = "float32"
+    make_vocab_size_divisible_by: int = 128
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Megatron's padding: the next multiple of ``make_vocab_size_divisible_by * tp``.
+
+        Rows past ``vocab_size`` are never real tokens (zero on import, dropped on export);
+        checkpoints load at another TP because Megatron loads vocab tensors with
+        ``allow_shape_mismatch``.
+        """
+        multiple = self.make_vocab_size_divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def seq_length(self) -> int:
+        """Longest sequence the HF model was configured for (``max_position_embeddings``)."""
+        return self.max_position_embeddings
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"ModelInfo: unknown fields {unknown} (written by a newer version?)")
+        if data.get("rope_scaling") is not None:
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        return cls(**data)
+
+
+def _load_hf_config(hf_config: Any) -> dict[str, Any]:
+    if isinstance(hf_config, dict):
+        return dict(hf_config)
+    if isinstance(hf_config, (str, os.PathLike)):
+        path = os.path.join(os.fspath(hf_config), "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{hf_config}: no config.json (not a Hugging Face model folder)")
+        with open(path) as fh:
+            return json.load(fh)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"expected an HF config, its dict or a folder, got {type(hf_config).__name__}")
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(base, scaling) from transformers 5's ``rope_parameters`` or 4.x's rope_theta/rope_scaling."""
+    params = cfg.get("rope_parameters")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "rope_theta" not in params:
+        raise UnsupportedModelError(
+            f"per-layer-type RoPE parameters {sorted(params)} are not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    base = float(params["rope_theta"])
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"RoPE type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if float(cfg.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return base, None
+    if rope_type == "linear":
+        return base, RopeScaling("linear", float(params["factor"]))
+    return base, RopeScaling(
+        "llama3",
+        float(params["factor"]),
+        float(params.get("low_freq_factor", 1.0)),
+        float(params.get("high_freq_factor", 4.0)),
+        int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:
+    """One window for every layer (Mistral), or none; per-layer mixes are refused."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds != {"sliding_attention"}:
+            raise UnsupportedModelError(
+                f"layers mixing attention kinds {sorted(kinds)} are not supported")
+        return int(window)
+    if family == "mistral" or cfg.get("use_sliding_window"):
+        return int(window) if window else None
+    return None
+
+
+def _check_unsupported(cfg: dict[str, Any], family: str) -> None:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r}; only SwiGLU (silu) is supported")
+    if cfg.get("mlp_bias"):
+        raise UnsupportedModelError("mlp_bias=True is not supported")
+    if family != "qwen2" and cfg.get("attention_bias"):
+        raise UnsupportedModelError(
+            "attention_bias=True (bias on q/k/v *and* o_proj) is not supported")
+    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+        raise UnsupportedModelError("mixture-of-experts models are not supported")
+
+
+def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) -> ModelInfo:
+    """ModelInfo of an HF config (``PretrainedConfig``, dict, or model folder).
+
+    Raises :class:`UnsupportedModelError` naming the supported architectures, or the feature that
+    has no Megatron equivalent here.
+    """
+    cfg = _load_hf_config(hf_config)
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        what = f"architecture {arch!r}" if arch else f"model_type {cfg.get('model_type')!r}"
+        raise UnsupportedModelError(
+            f"unsupported {what}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    _check_unsupported(cfg, family)
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    base, scaling = _rope(cfg)
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return ModelInfo(
+        architecture=arch,
+        family=family,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_base=base,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        add_qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias (and none on o_proj)
+        qk_layernorm=family == "qwen3",
+        rope_scaling=scaling,
+        sliding_window=_sliding_window(cfg, family),
+        attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+        hf_dtype=str(dtype).replace("torch.", ""),
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        hf_config=cfg,
+    )
