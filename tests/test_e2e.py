@@ -1,0 +1,154 @@
+"""End to end: pretrain_xdistill's first steps agree across student and teacher layouts.
+
+Tiny random HF models with the real SmolLM2 (student) and Qwen2 (teacher) vocabularies are
+converted to Megatron checkpoints; the projection is built from the real tokenizers. Every layout
+must reproduce the single-rank reference run's first three losses (rel 1e-5); an interrupted
+and resumed run matches the uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_xdistill.testing.multirank import RankPool
+
+ASSETS = Path(os.environ.get("XDISTILL_SHARED_ASSETS",
+                             Path(__file__).resolve().parents[2] / "shared" / "assets"))
+pytestmark = pytest.mark.skipif(not (ASSETS / "tokenizers").is_dir(),
+                                reason=f"shared assets not found at {ASSETS}")
+WORLD = 4
+STEPS = 3
+RTOL = 1e-5
+
+
+def _tiny_hf(out: Path, arch: str, vocab_size: int, seed: int, init_std: float = 0.02) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=init_std)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False))
+    model.save_pretrained(out)
+    return out
+
+
+def _convert(hf_dir: str, out: str) -> dict:
+    from conversion import convert_hf_to_mcore
+
+    return convert_hf_to_mcore(hf_dir, out, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from megatron_xdistill.projection import BuildOptions, build_projection, save_projection
+
+    root = tmp_path_factory.mktemp("e2e")
+    s_tok, t_tok = ASSETS / "tokenizers" / "smollm2", ASSETS / "tokenizers" / "qwen2"
+    student_hf = _tiny_hf(root / "student_hf", "llama", 49152, 1)
+    # A peaked teacher (larger init) makes the KL O(1), so relative tolerances mean something.
+    teacher_hf = _tiny_hf(root / "teacher_hf", "qwen2", 151936, 2, init_std=0.3)
+    with RankPool(1) as pool:
+        pool.run(_convert, str(student_hf), str(root / "student"))
+        pool.run(_convert, str(teacher_hf), str(root / "teacher"))
+    matrix = build_projection(str(s_tok), str(t_tok), BuildOptions())
+    save_projection(matrix, str(root / "proj.safetensors"))
+    lines = (ASSETS / "corpora" / "enwiki_val.jsonl").read_text().splitlines()[:3]
+    data = root / "train.jsonl"
+    data.write_text("\n".join(json.dumps({"text": json.loads(x)["text"][:6000]}) for x in lines))
+    return root, s_tok, t_tok
+
+
+def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
+    return ["--load", str(root / "student"), "--teacher-load", str(root / "teacher"),
+            "--tokenizer-model", str(s_tok), "--teacher-tokenizer-model", str(t_tok),
+            "--projection-path", str(root / "proj.safetensors"),
+            "--data-path", str(root / "train.jsonl"), "--seq-length", "32",
+            "--teacher-seq-length", "40", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--train-iters", str(STEPS), "--lr", "1e-3", "--kd-topk", "16",
+            "--ce-weight", "0.5", "--num-workers", "0", "--metrics-file",
+            str(root / f"{name}.jsonl"), "--data-cache-path", str(root / "cache"), *extra]
+
+
+def _run_main(argv: list[str]) -> int:
+    from megatron_xdistill.training.run import main
+
+    return main(argv)
+
+
+def _losses(root: Path, name: str) -> list[tuple[float, float]]:
+    records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
+    return [(r["kd"], r["ce"]) for r in records if "kd" in r]
+
+
+LAYOUTS = {
+    "student_tp2": ["--tensor-model-parallel-size", "2"],
+    "student_pp2_teacher_tp2": ["--pipeline-model-parallel-size", "2",
+                                "--teacher-tensor-model-parallel-size", "2"],
+    "student_cp2_teacher_pp2": ["--context-parallel-size", "2",
+                                "--teacher-pipeline-model-parallel-size", "2"],
+    "student_tp2_teacher_pp2": ["--tensor-model-parallel-size", "2",
+                                "--teacher-pipeline-model-parallel-size", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    root, s_tok, t_tok = setup
+    with RankPool(1) as pool:
+        pool.run(_run_main, _argv(root, s_tok, t_tok, "ref", []))
+    return _losses(root, "ref")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(WORLD) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_first_steps_match_reference(setup, reference, pool, name):
+    root, s_tok, t_tok = setup
+    pool.run(_run_main, _argv(root, s_tok, t_tok, name, LAYOUTS[name]))
+    got = _losses(root, name)
+    assert len(got) == len(reference) == STEPS
+    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(got, reference), 1):
+        assert kd == pytest.approx(kd_ref, rel=RTOL), f"{name} step {step} kd"
+        assert ce == pytest.approx(ce_ref, rel=RTOL), f"{name} step {step} ce"
+
+
+def test_resume_matches_uninterrupted_run(setup, pool):
+    root, s_tok, t_tok = setup
+    extra = ["--tensor-model-parallel-size", "2", "--save-interval", "1"]
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(root / "full")]))
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
+                              extra + ["--save", str(root / "part"), "--exit-interval", "1"]))
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(root / "part")]))
+    assert _losses(root, "part") == _losses(root, "full")
+
+
+@pytest.mark.slow
+def test_ray_launcher_matches_torchrun(setup):
+    """xdistill-ray on a two-node local Ray cluster gives torchrun's losses (world size 4)."""
+    pytest.importorskip("ray", reason="Ray is not installed")
+    from ray_entry_harness import REPO, local_cluster, run_ray, run_torchrun
+
+    from megatron_xdistill.launch import DEFAULT_ENTRY_POINT
+
+    root, s_tok, t_tok = setup
+    extra = ["--tensor-model-parallel-size", "2"]
+    ref = run_torchrun([REPO / "pretrain_xdistill.py", *_argv(root, s_tok, t_tok, "torchrun", extra)],
+                       nproc=4)
+    assert ref.returncode == 0, ref.stderr
+    with local_cluster():
+        got = run_ray(_argv(root, s_tok, t_tok, "ray", extra), entry_point=DEFAULT_ENTRY_POINT)
+    assert got.code == 0, got.err
+    assert _losses(root, "ray") == _losses(root, "torchrun")
