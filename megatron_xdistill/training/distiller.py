@@ -56,12 +56,50 @@ from megatron_xdistill.transport.routing import (  # noqa: E402
 
 @dataclass
 class PhaseTimes:
-    """Seconds spent per phase since the last log."""
+    """Seconds spent per phase since the last log. ``loss`` (the cross-tokenizer loss, forward
+    and backward) is part of ``student`` (forward + backward of the whole student step)."""
 
     teacher: float = 0.0
     route: float = 0.0
     student: float = 0.0
+    loss: float = 0.0
     optimizer: float = 0.0
+
+
+class _LossClock:
+    """Times the loss's forward and backward inside the pipeline schedule's autograd pass.
+
+    ``enter`` wraps the logits and ``leave`` the loss in identity autograd functions: backward
+    reaches ``leave`` first (clock starts) and ``enter`` after the loss's own backward (clock
+    stops), so the loss's recomputing backward is timed without hooks into Megatron.
+    """
+
+    def __init__(self, times: PhaseTimes) -> None:
+        self.times = times
+        self.started = 0.0
+        clock = self
+
+        class _Enter(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                clock.times.loss += time.perf_counter() - clock.started
+                return grad
+
+        class _Leave(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                clock.started = time.perf_counter()
+                return grad
+
+        self.enter, self.leave = _Enter.apply, _Leave.apply
 
     def reset(self) -> dict[str, float]:
         out = {f"time_{k}": round(v, 4) for k, v in vars(self).items()}
@@ -143,6 +181,7 @@ class Distiller:
                                    self.student_layout, self.teacher_layout)
         self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel)
         self.times = PhaseTimes()
+        self._loss_clock = _LossClock(self.times)
         self.mbs = args.micro_batch_size
         self.num_microbatches = args.global_batch_size // (self.mbs * self.student_layout.dp)
         per_teacher = args.global_batch_size // self.teacher_layout.dp
@@ -229,17 +268,20 @@ class Distiller:
     def _student_loss(self, batch: dict, n_chunks: float, n_tokens: float, logits: torch.Tensor):
         """This rank's share of the global-batch loss (normalised by global counts)."""
         layout = self.student_layout
-        terms = self.kd.student_terms(logits, batch)
+        clock = self._loss_clock
+        t0 = time.perf_counter()
+        terms = self.kd.student_terms(clock.enter(logits), batch)
         args = self.args
         loss, _ = total_loss(terms, kd_weight=args.kd_weight, ce_weight=args.ce_weight,
                              dynamic_scaling=args.kd_dynamic_scaling, kd_denominator=n_chunks,
                              ce_denominator=n_tokens,
                              dp_cp_group=self.student_groups.pg_collection.dp_cp)
         # The schedule divides by num_microbatches; DDP averages gradients over DP x CP.
-        scaled = loss * (self.num_microbatches * layout.dp * layout.cp)
+        scaled = clock.leave(loss * (self.num_microbatches * layout.dp * layout.cp))
         report = torch.stack([terms.kd_sum.detach().double() / max(n_chunks, 1.0),
                               terms.ce_sum.detach().double() / max(n_tokens, 1.0),
                               terms.top1.double()])
+        self.times.loss += time.perf_counter() - t0
         return scaled, torch.tensor(1, dtype=torch.int), {"report": report}
 
     # ------------------------------------------------------------------ public
