@@ -209,13 +209,20 @@ def save_megatron_checkpoint(
 
 
 def load_megatron_checkpoint(
-    model, ckpt_dir: str, pg_collection: ProcessGroupCollection | None = None
+    model, ckpt_dir: str, pg_collection: ProcessGroupCollection | None = None,
+    process_group=None,
 ) -> str:
     """Collective: load a checkpoint's model weights into ``model`` (any layout); returns the
     dist_checkpointing directory read. A tensor the model needs but the checkpoint lacks raises;
-    extra checkpoint content (optimizer state of a training checkpoint) is ignored."""
+    extra checkpoint content (optimizer state of a training checkpoint) is ignored.
+    ``process_group``: the ranks that hold ``model`` (default: the whole world), e.g. only the
+    teacher ranks of a disaggregated run, which load while the student ranks load theirs."""
     path = resolve_checkpoint_dir(ckpt_dir)
-    state = dist_checkpointing.load(sharded_model_state_dict(model, pg_collection), path,
-                                    strict=StrictHandling.RAISE_UNEXPECTED)
-    model.load_state_dict(state)
+    request = sharded_model_state_dict(model, pg_collection)
+    state = dist_checkpointing.load(request, path, strict=StrictHandling.RAISE_UNEXPECTED,
+                                    process_group=process_group)
+    # dist_checkpointing merges the checkpoint's common (non-tensor) state into the result: a
+    # training checkpoint's "iteration", "common", "scheduler", optimizer param groups. Keep
+    # only what the model asked for.
+    model.load_state_dict({key: value for key, value in state.items() if key in request})
     return path
