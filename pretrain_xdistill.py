@@ -6,6 +6,11 @@
         --data-path train.jsonl --seq-length 1024 --micro-batch-size 1 --global-batch-size 32 \
         --train-iters 1000 --lr 1e-5 [--tensor-model-parallel-size 2 --teacher-pipeline-model-parallel-size 2 ...]
 
+A disaggregated teacher (teacher ranks apart from student ranks; the teacher computes the next
+global batch while the student trains on this one) takes the last N ranks:
+
+    ... --teacher-placement disaggregated --teacher-ranks 4 --teacher-tensor-model-parallel-size 4
+
 Run with --help for every argument.
 """
 

@@ -38,6 +38,7 @@ def test_defaults_are_derived(base):
     (["--context-parallel-size", "2", "--seq-length", "66"], 2, r"divisible by 2 x context"),
     (["--save-interval", "5"], 1, r"--save-interval needs --save"),
     (["--kd-weight", "0"], 1, r"nothing to train"),
+    (["--lr-warmup-iters", "3"], 1, r"--lr-warmup-iters 3 must be >= 0 and smaller than"),
 ])
 def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):
@@ -49,3 +50,35 @@ def test_missing_directories_are_named(base, tmp_path):
     argv[argv.index("--teacher-load") + 1] = str(tmp_path / "nope")
     with pytest.raises(ValueError, match=r"--teacher-load: no such directory: .*nope"):
         parse_args(argv, world_size=1)
+
+
+DISAGGREGATED = ["--teacher-placement", "disaggregated"]
+
+
+def test_disaggregated_placement_splits_the_world(base):
+    from megatron_xdistill.parallel.placement import Placement
+
+    args = parse_args(base + DISAGGREGATED + ["--teacher-ranks", "1",
+                                              "--tensor-model-parallel-size", "3"], world_size=4)
+    placement = Placement.from_args(args, 4)
+    assert placement.student_global_ranks() == [0, 1, 2]
+    assert placement.teacher_global_ranks() == [3]
+    assert placement.is_student(0) and placement.is_teacher(3) and not placement.is_teacher(2)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (DISAGGREGATED, 4, r"needs --teacher-ranks N with 1 <= N <= 3 \(world size 4"),
+    (DISAGGREGATED + ["--teacher-ranks", "4"], 4, r"1 <= N <= 3 .*got 4"),
+    (DISAGGREGATED + ["--teacher-ranks", "1"], 1, r"needs at least 2 ranks"),
+    (["--teacher-ranks", "2"], 4, r"--teacher-ranks applies to --teacher-placement disaggregated"),
+    (DISAGGREGATED + ["--teacher-ranks", "1", "--tensor-model-parallel-size", "2"], 4,
+     r"the student's 3 ranks \(world size 4 - --teacher-ranks 1\) are not divisible by the "
+     r"student's TP x PP x CP = 2 x 1 x 1"),
+    (DISAGGREGATED + ["--teacher-ranks", "2", "--teacher-pipeline-model-parallel-size", "4"], 4,
+     r"the teacher's 2 ranks \(--teacher-ranks\) are not divisible by the teacher's"),
+    (DISAGGREGATED + ["--teacher-ranks", "3"], 4,
+     r"must be a multiple of the teacher's data-parallel size 3"),
+])
+def test_bad_disaggregated_placements_are_named(base, extra, world, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(base + extra, world_size=world)

@@ -47,11 +47,11 @@ def _convert(hf_dir: str, out: str) -> dict:
     return convert_hf_to_mcore(hf_dir, out, dtype="fp32")
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def make_setup(root: Path) -> tuple[Path, Path, Path]:
+    """Converted tiny models, the projection and the training text under ``root``; returns
+    ``(root, student tokenizer, teacher tokenizer)`` (shared with test_disaggregated)."""
     from megatron_xdistill.projection import BuildOptions, build_projection, save_projection
 
-    root = tmp_path_factory.mktemp("e2e")
     s_tok, t_tok = ASSETS / "tokenizers" / "smollm2", ASSETS / "tokenizers" / "qwen2"
     student_hf = _tiny_hf(root / "student_hf", "llama", 49152, 1)
     # A peaked teacher (larger init) makes the KL O(1), so relative tolerances mean something.
@@ -65,6 +65,11 @@ def setup(tmp_path_factory):
     data = root / "train.jsonl"
     data.write_text("\n".join(json.dumps({"text": json.loads(x)["text"][:6000]}) for x in lines))
     return root, s_tok, t_tok
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory.mktemp("e2e"))
 
 
 def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
@@ -97,15 +102,22 @@ LAYOUTS = {
                                 "--teacher-pipeline-model-parallel-size", "2"],
     "student_tp2_teacher_pp2": ["--tensor-model-parallel-size", "2",
                                 "--teacher-pipeline-model-parallel-size", "2"],
+    "student_pp2_dp2_distopt_teacher_tp2": ["--pipeline-model-parallel-size", "2",
+                                            "--use-distributed-optimizer",
+                                            "--teacher-tensor-model-parallel-size", "2"],
 }
+
+
+def reference_losses(root: Path, s_tok: Path, t_tok: Path) -> list[tuple[float, float]]:
+    """The single-rank (colocated) run's first losses: what every layout must reproduce."""
+    with RankPool(1) as pool:
+        pool.run(_run_main, _argv(root, s_tok, t_tok, "ref", []))
+    return _losses(root, "ref")
 
 
 @pytest.fixture(scope="module")
 def reference(setup):
-    root, s_tok, t_tok = setup
-    with RankPool(1) as pool:
-        pool.run(_run_main, _argv(root, s_tok, t_tok, "ref", []))
-    return _losses(root, "ref")
+    return reference_losses(*setup)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 Each training step ``g`` covers samples ``[g * GBS, (g + 1) * GBS)`` of the packing plan (wrapping
 around). A rank needs the samples of its student replica (Megatron's micro-batch order) and of its
 teacher replica (a contiguous block); the DataLoader's workers tokenise and align just those.
+With a disaggregated teacher a rank serves one model only (the other DP rank is None).
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ class StepSampler(torch.utils.data.Sampler):
     """Yields, per step, the global sample ids (plan indices) this rank needs, in a fixed order."""
 
     def __init__(self, num_samples: int, start_step: int, global_batch_size: int,
-                 micro_batch_size: int, student_dp_rank: int, student: ParallelLayout,
-                 teacher_dp_rank: int, teacher: ParallelLayout) -> None:
+                 micro_batch_size: int, student_dp_rank: int | None, student: ParallelLayout,
+                 teacher_dp_rank: int | None, teacher: ParallelLayout) -> None:
         self.num_samples = num_samples
         self.step = start_step
         self.gbs = global_batch_size
         self.local = sorted(
             i for i in range(global_batch_size)
-            if student_replica_of(i, micro_batch_size, student.dp)[0] == student_dp_rank
-            or teacher_replica_of(i, global_batch_size, teacher.dp) == teacher_dp_rank
+            if (student_dp_rank is not None
+                and student_replica_of(i, micro_batch_size, student.dp)[0] == student_dp_rank)
+            or (teacher_dp_rank is not None
+                and teacher_replica_of(i, global_batch_size, teacher.dp) == teacher_dp_rank)
         )
 
     def __iter__(self) -> Iterator[list[int]]:

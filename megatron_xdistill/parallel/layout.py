@@ -125,5 +125,7 @@ def build_model_parallel_groups(layout: ParallelLayout, rank_offset: int = 0) ->
     pgs.expt_dp = pgs.dp_cp
     pgs.intra_dp_cp = pgs.dp_cp
     pgs.intra_expt_dp = pgs.dp_cp
+    # One distributed-optimizer instance spanning the layout: its grad-norm / zero-count group.
+    pgs.intra_dist_opt = grid.create_pg(["tp", "cp", "ep", "dp", "pp"])
     pgs.embd, pgs.pos_embd = _embedding_groups(grid, layout)
     return ModelParallelGroups(layout=layout, pg_collection=pgs, grid=grid, rank_offset=rank_offset)

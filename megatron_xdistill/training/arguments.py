@@ -10,6 +10,8 @@ import argparse
 import os
 from collections.abc import Sequence
 
+from megatron_xdistill.parallel.placement import PLACEMENTS, Placement
+
 KD_LOSSES = ("pkl", "gold", "hkl")
 TOPK_MODES = ("global", "chunk")
 
@@ -34,6 +36,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _parallel(p, "", "student")
     _parallel(p, "teacher-", "teacher")
+    g = p.add_argument_group("teacher placement")
+    g.add_argument("--teacher-placement", choices=PLACEMENTS, default="colocated",
+                   help="colocated: every rank holds a student shard and a teacher shard "
+                   "(time-shared); disaggregated: the last --teacher-ranks ranks run only the "
+                   "teacher, which computes the next global batch while the student ranks train "
+                   "on the current one (payloads double-buffered, sent non-blocking)")
+    g.add_argument("--teacher-ranks", type=int, default=None,
+                   help="with --teacher-placement disaggregated: how many of the world's ranks "
+                   "serve the teacher (the last N ranks); the student gets the rest")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
 
@@ -119,32 +130,41 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.teacher_seq_length = 2 * args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    placement = Placement.from_args(args, world_size)  # raises with what to change
+    ranks = {"student": placement.student_size, "teacher": placement.teacher_size}
+    dp = {}
     for who, prefix in (("student", ""), ("teacher", "teacher_")):
         tp = getattr(args, f"{prefix}tensor_model_parallel_size")
         pp = getattr(args, f"{prefix}pipeline_model_parallel_size")
         cp = getattr(args, f"{prefix}context_parallel_size")
         flag = "--" + prefix.replace("_", "-")
         _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
-        _check(world_size % (tp * pp * cp) == 0,
-               f"world size {world_size} is not divisible by the {who}'s TP x PP x CP = "
-               f"{tp} x {pp} x {cp}; change {flag}tensor-model-parallel-size / "
-               f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size or the number "
-               f"of ranks (torchrun --nproc-per-node)")
+        if placement.disaggregated:
+            split = ("--teacher-ranks" if who == "teacher" else
+                     f"world size {world_size} - --teacher-ranks {placement.teacher_size}")
+            _check(ranks[who] % (tp * pp * cp) == 0,
+                   f"the {who}'s {ranks[who]} ranks ({split}) are not divisible by the {who}'s "
+                   f"TP x PP x CP = {tp} x {pp} x {cp}; change {flag}tensor-model-parallel-size / "
+                   f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size, "
+                   f"--teacher-ranks or the number of ranks (torchrun --nproc-per-node)")
+        else:
+            _check(world_size % (tp * pp * cp) == 0,
+                   f"world size {world_size} is not divisible by the {who}'s TP x PP x CP = "
+                   f"{tp} x {pp} x {cp}; change {flag}tensor-model-parallel-size / "
+                   f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size or the "
+                   f"number of ranks (torchrun --nproc-per-node)")
+        dp[who] = ranks[who] // (tp * pp * cp)
         seq = args.seq_length if who == "student" else args.teacher_seq_length
         _check(seq % (2 * cp) == 0 if cp > 1 else True,
                f"{who} sequence length {seq} must be divisible by 2 x context-parallel size "
                f"({2 * cp})")
-    dp = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                        * args.context_parallel_size)
-    _check(args.global_batch_size % (args.micro_batch_size * dp) == 0,
+    _check(args.global_batch_size % (args.micro_batch_size * dp["student"]) == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of "
-           f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x {dp}")
-    t_dp = world_size // (args.teacher_tensor_model_parallel_size
-                          * args.teacher_pipeline_model_parallel_size
-                          * args.teacher_context_parallel_size)
-    _check(args.global_batch_size % t_dp == 0,
+           f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x "
+           f"{dp['student']}")
+    _check(args.global_batch_size % dp["teacher"] == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of the teacher's "
-           f"data-parallel size {t_dp}")
+           f"data-parallel size {dp['teacher']}")
     _check(args.teacher_seq_length >= args.seq_length // 2,
            f"--teacher-seq-length {args.teacher_seq_length} is too short for --seq-length "
            f"{args.seq_length}: the teacher must cover the student's text (use about "
@@ -152,6 +172,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check(args.kd_temperature > 0, "--kd-temperature must be > 0")
     _check(args.kd_topk >= 0, "--kd-topk must be >= 0 (0 = full teacher vocabulary)")
     _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")
+    _check(0 <= args.lr_warmup_iters < args.lr_decay_iters,
+           f"--lr-warmup-iters {args.lr_warmup_iters} must be >= 0 and smaller than the decay "
+           f"length ({args.lr_decay_iters}: --lr-decay-iters, default --train-iters)")
     _check(args.kd_weight > 0 or args.ce_weight > 0 or args.kd_dynamic_scaling,
            "--kd-weight and --ce-weight are both 0: nothing to train")
     for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),

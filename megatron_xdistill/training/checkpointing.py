@@ -5,6 +5,10 @@ another layout) and ``<save>/latest_checkpointed_iteration.txt``. A checkpoint i
 ``iter_0000100.tmp`` and renamed only after every rank finished, then the tracker file is
 replaced atomically: an interrupted save never looks like a checkpoint, and the previous one
 stays the latest.
+
+With a disaggregated teacher only the student ranks hold checkpointed state. Saving is still
+collective over the whole world (dist_checkpointing's save is), so teacher ranks join it with
+``model=None`` and contribute nothing; loading runs on the student ranks' group alone.
 """
 
 from __future__ import annotations
@@ -75,11 +79,22 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+_SHARED_KEYS = ("common", "iteration")
+
+
+def _shared_common(state: dict) -> dict:
+    """The common-state keys every rank has, stateless ranks included (consistency check)."""
+    return {key: state[key] for key in _SHARED_KEYS if key in state}
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_cp_group,
-                    common: dict) -> str:
-    """Collective: write the checkpoint of ``iteration`` under ``root``; returns its path.
+                    common: dict, partial_world: bool = False) -> str:
+    """Collective over the world: write the checkpoint of ``iteration`` under ``root``; returns
+    its path.
 
     ``common`` holds small picklable state every rank agrees on (consumed samples, args...).
+    ``partial_world``: some ranks hold no part of the model (disaggregated teacher ranks); those
+    call with ``model=None`` and write nothing, and every rank must pass True.
     """
     rank = dist.get_rank()
     final = iteration_dir(root, iteration)
@@ -90,14 +105,19 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     dist.barrier()
-    model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
-    state = {"model": model_state, "common": common, "iteration": iteration}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state)
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, tmp)
-    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    state = {"common": common, "iteration": iteration}
+    if model is not None:
+        model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
+        state = {"model": model_state, **state}
+        if optimizer is not None:
+            state["optimizer"] = optimizer.sharded_state_dict(model_state)
+        if scheduler is not None:
+            state["scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(
+        state, tmp, preprocess_common_before_consistancy_check=_shared_common if partial_world
+        else None)
+    if model is not None:
+        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
         if os.path.exists(final):
@@ -108,9 +128,11 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
     return final
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group) -> dict:
-    """Collective: restore the latest checkpoint under ``root``; returns its ``common`` state
-    plus ``iteration``. Raises if there is none."""
+def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
+                    process_group: dist.ProcessGroup | None = None) -> dict:
+    """Collective over ``process_group`` (the ranks holding the model; default the world):
+    restore the latest checkpoint under ``root``; returns its ``common`` state plus
+    ``iteration``. Raises if there is none."""
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER})")
@@ -119,7 +141,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group) -> dict
     request = {"model": model_state}
     if optimizer is not None:
         request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True)
-    loaded = dist_checkpointing.load(request, path)
+    loaded = dist_checkpointing.load(request, path, process_group=process_group)
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
@@ -129,6 +151,20 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group) -> dict
     rng_path = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
     if os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=False))
+    return _position(common_state, iteration)
+
+
+def _position(common_state: dict, iteration: int) -> dict:
     out = dict(common_state.get("common", {}))
     out["iteration"] = int(common_state.get("iteration", iteration))
     return out
+
+
+def load_position(root: str) -> dict:
+    """Not collective: the ``common`` state and ``iteration`` of the latest checkpoint under
+    ``root`` (what ranks that hold no model part, e.g. disaggregated teacher ranks, need)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER})")
+    return _position(dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration)),
+                     iteration)

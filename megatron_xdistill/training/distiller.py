@@ -9,6 +9,13 @@ Per step (colocated placement: every rank holds a student shard and a teacher sh
    (vocab-parallel over the student's TP, CP-aware), then the Megatron optimizer step.
 Losses are normalised by global counts (valid chunks and label tokens over the whole global
 batch), so every layout computes the same loss and gradients.
+
+Disaggregated placement (``--teacher-placement disaggregated --teacher-ranks N``): the last N
+ranks hold only the teacher (its layout spans those N ranks), the others only the student. Teacher
+ranks run step 1 and send the payloads without waiting (transport/stream.py), so they compute
+global batch k+1 while the student ranks run step 3 on batch k; student ranks receive batch k's
+payloads (posted one step ahead) and run step 3. The payloads are the same numbers as colocated,
+so are the losses.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from megatron_xdistill.parallel.layout import (  # noqa: E402
     ParallelLayout,
     build_model_parallel_groups,
 )
+from megatron_xdistill.parallel.placement import Placement  # noqa: E402
 from megatron_xdistill.training import kd_adapter  # noqa: E402
 from megatron_xdistill.transport.hybrid import RoutedTransport  # noqa: E402
 from megatron_xdistill.transport.routing import (  # noqa: E402
@@ -52,18 +60,30 @@ from megatron_xdistill.transport.routing import (  # noqa: E402
     student_replica_of,
     teacher_samples,
 )
+from megatron_xdistill.transport.stream import StreamingTransport  # noqa: E402
 
 
 @dataclass
 class PhaseTimes:
     """Seconds spent per phase since the last log. ``loss`` (the cross-tokenizer loss, forward
-    and backward) is part of ``student`` (forward + backward of the whole student step)."""
+    and backward) is part of ``student`` (forward + backward of the whole student step).
+
+    ``route`` is the transport: the exchange (colocated), or on disaggregated student ranks the
+    wait for the step's payloads (near zero when the teacher keeps ahead), on teacher ranks the
+    packing and posting of the sends. With a disaggregated teacher the student ranks' ``teacher``
+    is the teacher ranks' forward time, reported with the payloads (it overlaps the student)."""
 
     teacher: float = 0.0
     route: float = 0.0
     student: float = 0.0
     loss: float = 0.0
     optimizer: float = 0.0
+
+    def reset(self) -> dict[str, float]:
+        out = {f"time_{k}": round(v, 4) for k, v in vars(self).items()}
+        for key in vars(self):
+            setattr(self, key, 0.0)
+        return out
 
 
 class _LossClock:
@@ -92,7 +112,7 @@ class _LossClock:
         class _Leave(torch.autograd.Function):
             @staticmethod
             def forward(ctx, x):
-                return x.view_as(x)
+                return x.clone()  # a scalar; the schedule divides it in place (no view allowed)
 
             @staticmethod
             def backward(ctx, grad):
@@ -101,11 +121,24 @@ class _LossClock:
 
         self.enter, self.leave = _Enter.apply, _Leave.apply
 
-    def reset(self) -> dict[str, float]:
-        out = {f"time_{k}": round(v, 4) for k, v in vars(self).items()}
-        for key in vars(self):
-            setattr(self, key, 0.0)
-        return out
+
+_SETUP_DONE = "xdistill: student setup done"
+
+
+def _world_gathers_of_student_setup(has_student: bool) -> None:
+    """Disaggregated: let the student ranks' optimizer setup gather over the whole world.
+
+    Megatron's ``get_megatron_optimizer`` aligns param-group keys with ``all_gather_object`` on
+    the default group (once per group of model chunks; between MIMO's disjoint module grids each
+    rank contributes its own module's keys). A teacher rank has nothing to optimise: it joins
+    those gathers with no keys until the student ranks, their setup done, gather a marker.
+    """
+    gathered: list = [None] * dist.get_world_size()
+    if has_student:
+        dist.all_gather_object(gathered, _SETUP_DONE)
+        return
+    while _SETUP_DONE not in gathered:
+        dist.all_gather_object(gathered, [])
 
 
 def _sharded_metadata(groups: ModelParallelGroups) -> dict:
@@ -122,33 +155,92 @@ class Distiller:
         self.log = log
         self.rank = dist.get_rank()
         world = dist.get_world_size()
+        self.placement = placement = Placement.from_args(args, world)
         self.student_layout = ParallelLayout.for_world(
-            world, args.tensor_model_parallel_size, args.context_parallel_size,
+            placement.student_size, args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, who="student")
         self.teacher_layout = ParallelLayout.for_world(
-            world, args.teacher_tensor_model_parallel_size, args.teacher_context_parallel_size,
-            args.teacher_pipeline_model_parallel_size, who="teacher")
-        self.student_groups = build_model_parallel_groups(self.student_layout)
-        self.teacher_groups = build_model_parallel_groups(self.teacher_layout)
+            placement.teacher_size, args.teacher_tensor_model_parallel_size,
+            args.teacher_context_parallel_size, args.teacher_pipeline_model_parallel_size,
+            who="teacher")
+        # Group creation is collective over the world: every rank builds both sides' groups.
+        self.student_groups = build_model_parallel_groups(self.student_layout,
+                                                          placement.student_offset)
+        self.teacher_groups = build_model_parallel_groups(self.teacher_layout,
+                                                          placement.teacher_offset)
+        self.has_student = placement.is_student(self.rank)
+        self.has_teacher = placement.is_teacher(self.rank)
+        # Disaggregated: each side's own "world" (checkpoint loads; the student's metrics and
+        # evaluation) and a group that carries only the teacher -> student payloads.
+        # None: the whole world.
+        self.student_world = self.teacher_world = transfer_group = None
+        if placement.disaggregated:
+            self.student_world = dist.new_group(placement.student_global_ranks())
+            self.teacher_world = dist.new_group(placement.teacher_global_ranks())
+            transfer_group = dist.new_group(list(range(world)))
+            first_t = placement.teacher_offset
+            log(f"> teacher placement disaggregated: student on ranks 0-{first_t - 1} "
+                f"({self._describe(self.student_layout)}), teacher on ranks {first_t}-{world - 1} "
+                f"({self._describe(self.teacher_layout)})")
         dtype = torch.bfloat16 if args.bf16 else torch.float32
 
         # Teacher: forward only, never updated.
         self.teacher_info = models_api.load_model_info(args.teacher_load)
-        self.teacher, self.teacher_config = self._build(models_api, self.teacher_info,
-                                                        self.teacher_groups, dtype, seed=args.seed)
-        models_api.load_megatron_checkpoint(self.teacher, args.teacher_load,
-                                            self.teacher_groups.pg_collection)
-        self.teacher.eval()
-        for param in self.teacher.parameters():
-            param.requires_grad_(False)
+        self.teacher = self.teacher_config = None
+        if self.has_teacher:
+            self.teacher, self.teacher_config = self._build(
+                models_api, self.teacher_info, self.teacher_groups, dtype, seed=args.seed)
+            models_api.load_megatron_checkpoint(self.teacher, args.teacher_load,
+                                                self.teacher_groups.pg_collection,
+                                                process_group=self.teacher_world)
+            self.teacher.eval()
+            for param in self.teacher.parameters():
+                param.requires_grad_(False)
 
-        # Student: DDP + Megatron optimizer + LR schedule.
         self.student_info = models_api.load_model_info(args.load)
+        self.models_api = models_api
+        self.student = self.student_config = self.optimizer = self.scheduler = None
+        if self.has_student:
+            self._build_student(models_api, dtype, init_weights)
+        if placement.disaggregated:
+            _world_gathers_of_student_setup(self.has_student)
+
+        self.kd = kd_adapter.KDLoss(args, self.student_info, self.teacher_info,
+                                    self.student_groups, self.teacher_groups, log=log)
+        self.routes = routing_plan(args.global_batch_size, args.micro_batch_size,
+                                   self.student_layout, self.teacher_layout,
+                                   placement.student_offset, placement.teacher_offset)
+        self.transport = self.stream = None
+        if placement.disaggregated:
+            self.stream = StreamingTransport(
+                self.routes, numel=self.kd.payload_numel, group=transfer_group,
+                timeout_s=60.0 * args.distributed_timeout_minutes,
+                device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+        else:
+            self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel)
+        # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
+        self.shipped_bytes_per_step = self.kd.spec.nbytes * sum(
+            1 for r in self.routes if r.src != r.dst)
+        self.times = PhaseTimes()
+        self._loss_clock = _LossClock(self.times)
+        self.step = 0  # steps run by this process (both sides count alike)
+        self.mbs = args.micro_batch_size
+        self.num_microbatches = args.global_batch_size // (self.mbs * self.student_layout.dp)
+        per_teacher = args.global_batch_size // self.teacher_layout.dp
+        self.teacher_mbs = math.gcd(self.mbs, per_teacher)
+
+    @staticmethod
+    def _describe(layout: ParallelLayout) -> str:
+        return f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp}"
+
+    def _build_student(self, models_api, dtype, init_weights: bool) -> None:
+        """Student: DDP + Megatron optimizer + LR schedule."""
+        args = self.args
         model, self.student_config = self._build(models_api, self.student_info,
                                                  self.student_groups, dtype, seed=args.seed)
         if init_weights:  # else a training checkpoint is restored by resume()
-            models_api.load_megatron_checkpoint(model, args.load, self.student_groups.pg_collection)
-        self.models_api = models_api
+            models_api.load_megatron_checkpoint(model, args.load, self.student_groups.pg_collection,
+                                                process_group=self.student_world)
         self.student_config.finalize_model_grads_func = finalize_model_grads
         self.student_config.grad_scale_func = None
         self.ddp_config = DistributedDataParallelConfig(
@@ -175,17 +267,6 @@ class Distiller:
             start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
             wd_incr_style="constant",
         )
-        self.kd = kd_adapter.KDLoss(args, self.student_info, self.teacher_info,
-                                    self.student_groups, self.teacher_groups, log=log)
-        self.routes = routing_plan(args.global_batch_size, args.micro_batch_size,
-                                   self.student_layout, self.teacher_layout)
-        self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel)
-        self.times = PhaseTimes()
-        self._loss_clock = _LossClock(self.times)
-        self.mbs = args.micro_batch_size
-        self.num_microbatches = args.global_batch_size // (self.mbs * self.student_layout.dp)
-        per_teacher = args.global_batch_size // self.teacher_layout.dp
-        self.teacher_mbs = math.gcd(self.mbs, per_teacher)
 
     # ------------------------------------------------------------------ construction
     def _build(self, models_api, info, groups: ModelParallelGroups, dtype, seed: int):
@@ -209,7 +290,8 @@ class Distiller:
         """Teacher forward on this rank's teacher block; flat payload rows by sample (last
         stage only; other stages return an empty dict)."""
         groups = self.teacher_groups
-        mine = teacher_samples(self.rank, self.args.global_batch_size, self.teacher_layout)
+        mine = teacher_samples(self.rank, self.args.global_batch_size, self.teacher_layout,
+                               self.placement.teacher_offset)
         micro = [mine[i : i + self.teacher_mbs] for i in range(0, len(mine), self.teacher_mbs)]
         batches = [collate_samples([samples[i] for i in ids]) for ids in micro]
         cp, cp_rank = self.teacher_layout.cp, groups.coords["cp"]
@@ -285,14 +367,51 @@ class Distiller:
         return scaled, torch.tensor(1, dtype=torch.int), {"report": report}
 
     # ------------------------------------------------------------------ public
-    def train_step(self, samples: dict[int, dict]) -> dict[str, float]:
-        """One optimizer step on the global batch whose local samples are ``samples``."""
+    def train_step(self, samples: dict[int, dict], next_step: bool = False) -> dict[str, float]:
+        """One optimizer step on the global batch whose local samples are ``samples``.
+
+        Disaggregated placement: on teacher ranks this computes and sends the batch's payloads
+        and returns at once (no metrics); on student ranks it waits for them and trains.
+        ``next_step`` says whether this run takes another step after this one: student ranks
+        then post its receives first, so that transfer overlaps this step.
+        """
+        step = self.step
+        self.step += 1
+        if not self.has_student:
+            return self._teacher_only_step(step, samples)
+        teacher_seconds = 0.0
+        t0 = t1 = time.perf_counter()
+        if self.stream is None:  # colocated: this rank runs its teacher shard first
+            outgoing = self._teacher_forward(samples)
+            t1 = time.perf_counter()
+            self.times.teacher += t1 - t0
+            sender = {i: p for i, p in outgoing.items()
+                      if self.teacher_groups.coords["tp"] == 0
+                      and self.teacher_groups.coords["cp"] == 0}
+            payloads = self.transport.exchange(sender)
+        else:
+            payloads, stats = self.stream.receive(step)
+            if next_step:
+                self.stream.prefetch(step + 1)
+            if len(stats):
+                teacher_seconds = float(stats[:, 0].max())
+        t2 = time.perf_counter()
+        self.times.route += t2 - t1
+        return self._student_step(samples, payloads, teacher_seconds)
+
+    def _teacher_only_step(self, step: int, samples: dict[int, dict]) -> dict[str, float]:
+        """Disaggregated teacher rank: forward, then send without waiting for the students."""
         t0 = time.perf_counter()
         outgoing = self._teacher_forward(samples)
         t1 = time.perf_counter()
-        sender = {i: p for i, p in outgoing.items()
-                  if self.teacher_groups.coords["tp"] == 0 and self.teacher_groups.coords["cp"] == 0}
-        payloads = self.transport.exchange(sender)
+        self.stream.send(step, outgoing, stats=[t1 - t0])
+        self.times.teacher += t1 - t0
+        self.times.route += time.perf_counter() - t1
+        return {}
+
+    def _student_step(self, samples: dict[int, dict], payloads: dict[int, torch.Tensor],
+                      teacher_seconds: float) -> dict[str, float]:
+        """Student forward/backward and optimizer step, given this rank's payloads."""
         t2 = time.perf_counter()
         n_chunks, n_tokens = self._global_counts(samples)
         batches = self._student_microbatches(samples, payloads)
@@ -322,22 +441,30 @@ class Distiller:
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         t4 = time.perf_counter()
-        self.times.teacher += t1 - t0
-        self.times.route += t2 - t1
         self.times.student += t3 - t2
         self.times.optimizer += t4 - t3
-        report = torch.zeros(3, dtype=torch.float64)
+        report = torch.zeros(4, dtype=torch.float64)
         if groups.is_last_stage and groups.coords["tp"] == 0:
-            report = torch.stack([r["report"] for r in reduced]).double().sum(0)
-        dist.all_reduce(report)  # sums over DP x CP shares (and the last stage only)
+            report[:3] = torch.stack([r["report"] for r in reduced]).double().sum(0)
+            if groups.coords["cp"] == 0 and groups.coords["dp"] == 0:
+                report[3] = teacher_seconds  # as told by the teacher rank serving replica 0
+        # Sums over DP x CP shares (and the last stage only), over the student ranks.
+        dist.all_reduce(report, group=self.student_world)
+        if self.stream is not None:
+            self.times.teacher += report[3].item()
         return {"kd": report[0].item(), "ce": report[1].item(),
                 "top1_agree": report[2].item() / max(n_chunks, 1.0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": lr, "skipped": int(not ok),
-                "chunks": int(n_chunks), "tokens": int(n_tokens)}
+                "chunks": int(n_chunks), "tokens": int(n_tokens),
+                "shipped_bytes_per_token": round(self.shipped_bytes_per_step / max(n_tokens, 1.0),
+                                                 1)}
 
     def evaluate(self, batches) -> dict[str, float]:
-        """Student CE and bits per byte on held-out batches (forward only)."""
+        """Student CE and bits per byte on held-out batches (forward only; collective over the
+        student ranks, nothing to do on disaggregated teacher ranks)."""
+        if not self.has_student:
+            return {}
         groups = self.student_groups
         cp, cp_rank = self.student_layout.cp, groups.coords["cp"]
         totals = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
@@ -371,24 +498,41 @@ class Distiller:
                 if cp_rank == 0:
                     totals[2] += batch["num_bytes"].sum().double()
         self.student.train()
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.student_world)
         nats, tokens, num_bytes = totals.tolist()
         return {"eval_ce": nats / max(tokens, 1.0),
                 "eval_bpb": nats / (math.log(2) * max(num_bytes, 1.0)), "eval_tokens": int(tokens)}
 
     def save(self, root: str, iteration: int, common: dict) -> str:
+        """Collective over the world: the student's training checkpoint (disaggregated teacher
+        ranks join the collective save and write nothing)."""
         from megatron_xdistill.training.checkpointing import save_checkpoint
 
+        partial_world = self.placement.disaggregated
+        if not self.has_student:
+            return save_checkpoint(root, iteration, None, None, None, None, common,
+                                   partial_world=partial_world)
         if self.rank == 0:  # the model description travels with the run (resume needs no flags)
             self.models_api.save_model_info(self.student_info, root)
         return save_checkpoint(root, iteration, self.student.module, self.optimizer, self.scheduler,
-                               self.student_groups.pg_collection.dp_cp, common)
+                               self.student_groups.pg_collection.dp_cp, common,
+                               partial_world=partial_world)
 
     def resume(self, root: str) -> dict:
-        from megatron_xdistill.training.checkpointing import load_checkpoint
+        """Restore the student from a training checkpoint (collective over the student ranks);
+        disaggregated teacher ranks only read where the run stands."""
+        from megatron_xdistill.training.checkpointing import load_checkpoint, load_position
 
+        if not self.has_student:
+            return load_position(root)
         return load_checkpoint(root, self.student.module, self.optimizer, self.scheduler,
-                               self.student_groups.pg_collection.dp_cp)
+                               self.student_groups.pg_collection.dp_cp,
+                               process_group=self.student_world)
+
+    def finish(self) -> None:
+        """Wait for the payload transfers still in flight (disaggregated), e.g. before exit."""
+        if self.stream is not None:
+            self.stream.finish()
 
 
 def is_training_checkpoint(path: str) -> bool:

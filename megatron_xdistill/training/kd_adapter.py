@@ -73,11 +73,13 @@ class KDLoss:
         self.spec = payload_spec(
             self.form, self.num_chunks, self.teacher_vocab, topk=args.kd_topk or None,
             num_common=None if common_teacher is None else len(common_teacher))
-        padded = student_info.padded_vocab_size(student.layout.tp)
-        local = padded // student.layout.tp
-        start = student.coords["tp"] * local
-        indices, weights = matrix.local_shard(start, start + local)
-        self.shard = ProjectionShard(indices, weights, start, self.teacher_vocab)
+        self.shard = None  # the student side's projection rows (none on teacher-only ranks)
+        if student.member:
+            padded = student_info.padded_vocab_size(student.layout.tp)
+            local = padded // student.layout.tp
+            start = student.coords["tp"] * local
+            indices, weights = matrix.local_shard(start, start + local)
+            self.shard = ProjectionShard(indices, weights, start, self.teacher_vocab)
 
     @property
     def payload_numel(self) -> int:

@@ -114,10 +114,11 @@ def _train(args) -> int:
                             args.train_iters * args.global_batch_size, "train")
     dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
                                   args.teacher_seq_length)
-    s_coords, t_coords = distiller.student_groups.coords, distiller.teacher_groups.coords
+    # A disaggregated rank loads only the samples of the model it serves.
+    s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
+    t_dp = distiller.teacher_groups.coords["dp"] if distiller.has_teacher else None
     sampler = StepSampler(len(dataset), iteration, args.global_batch_size, args.micro_batch_size,
-                          s_coords["dp"], distiller.student_layout, t_coords["dp"],
-                          distiller.teacher_layout)
+                          s_dp, distiller.student_layout, t_dp, distiller.teacher_layout)
     steps = StepBatches(dataset, sampler, args.num_workers)
 
     eval_batches = None
@@ -126,22 +127,26 @@ def _train(args) -> int:
         v_docs, v_plan = _plan(args, args.valid_data_path, aligner, n_eval, "valid")
         v_set = DistillationDataset(v_docs, v_plan, aligner, args.seq_length,
                                     args.teacher_seq_length)
-        dp, mbs = distiller.student_layout.dp, args.micro_batch_size
-        mine = [i for i in range(min(n_eval, len(v_set))) if (i // mbs) % dp == s_coords["dp"]]
-        eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
-                        for k in range(0, len(mine), mbs)]
+        if distiller.has_student:  # evaluation runs on the student ranks only
+            dp, mbs = distiller.student_layout.dp, args.micro_batch_size
+            mine = [i for i in range(min(n_eval, len(v_set))) if (i // mbs) % dp == s_dp]
+            eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
+                            for k in range(0, len(mine), mbs)]
 
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=rank == 0)
     if eval_batches is not None and iteration == 0:
         writer.write({"iteration": 0, **distiller.evaluate(eval_batches)})
     last = time.perf_counter()
     tokens_since = 0
+    end = args.train_iters  # where this run stops
+    if args.exit_interval:
+        end = min(end, (iteration // args.exit_interval + 1) * args.exit_interval)
     try:
         while iteration < args.train_iters:
             samples = next(steps)
-            metrics = distiller.train_step(samples)
+            metrics = distiller.train_step(samples, next_step=iteration + 1 < end)
             iteration += 1
-            tokens_since += metrics["tokens"]
+            tokens_since += metrics.get("tokens", 0)  # disaggregated teacher ranks: no metrics
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 now = time.perf_counter()
                 record = {"iteration": iteration, "train_iters": args.train_iters, **metrics,
@@ -161,6 +166,7 @@ def _train(args) -> int:
             if args.exit_interval and iteration % args.exit_interval == 0:
                 _log(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
+        distiller.finish()
     finally:
         writer.close()
     if args.save and (not args.save_interval or iteration % args.save_interval):
