@@ -145,6 +145,7 @@ def test_resume_matches_uninterrupted_run(setup, pool):
                               extra + ["--save", str(root / "part"), "--exit-interval", "1"]))
     pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(root / "part")]))
     assert _losses(root, "part") == _losses(root, "full")
+    assert (root / "full" / "hf_files" / "config.json").is_file()  # export needs no template
 
 
 @pytest.mark.slow

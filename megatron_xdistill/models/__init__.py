@@ -13,7 +13,7 @@ API for the training runtime::
                             pg_collection=pgs, vp_stage=None)   # GPTModel for this stage
     load_megatron_checkpoint(model, ckpt_dir, pg_collection=pgs)  # any TP/PP
     save_megatron_checkpoint(model, out_dir, info, pg_collection=pgs)  # atomic
-    copy_hf_files(load_dir, run_root)  # tokenizer/config next to a run: export needs no template
+    keep_hf_files(run_root, load_dir)  # tokenizer/config next to a run: export needs no template
 
 ``ModelInfo`` fields: architecture, family, num_layers, hidden_size, ffn_hidden_size,
 num_attention_heads, num_query_groups, kv_channels, vocab_size (real; the loss normalises over
@@ -42,6 +42,7 @@ from megatron_xdistill.models.checkpoint import (  # noqa: E402
     CheckpointError,
     copy_hf_files,
     hf_files_dir,
+    keep_hf_files,
     load_megatron_checkpoint,
     load_model_info,
     read_model_json,
@@ -71,6 +72,7 @@ __all__ = [
     "config_from_hf",
     "copy_hf_files",
     "hf_files_dir",
+    "keep_hf_files",
     "load_megatron_checkpoint",
     "load_model_info",
     "model_info_from_hf",

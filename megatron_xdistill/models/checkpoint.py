@@ -141,6 +141,28 @@ def copy_hf_files(source: str, ckpt_dir: str) -> list[str]:
     return copied
 
 
+def keep_hf_files(run_root: str, *sources: str | None) -> str | None:
+    """Give a training run ``run_root/hf_files`` (once) from the first source that has them (a
+    checkpoint with ``hf_files/`` or an HF folder), so evaluating or exporting the run needs no
+    ``--tokenizer`` / ``--hf-template``. Written to a temporary folder, then renamed."""
+    target = os.path.join(run_root, HF_FILES_DIR)
+    if os.path.isdir(target):
+        return target
+    for source in sources:
+        if not source or not os.path.isdir(source):
+            continue
+        folder = hf_files_dir(source) or source
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            continue
+        staging = os.path.join(run_root, f".{HF_FILES_DIR}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        copy_hf_files(folder, staging)  # -> staging/hf_files
+        os.replace(os.path.join(staging, HF_FILES_DIR), target)
+        shutil.rmtree(staging, ignore_errors=True)
+        return target
+    return None
+
+
 def sharded_model_state_dict(model, pg_collection: ProcessGroupCollection | None = None) -> dict:
     """``model.sharded_state_dict`` with the DP x CP group of ``pg_collection`` for replica ids."""
     metadata = {"dp_cp_group": pg_collection.dp_cp} if pg_collection is not None else None

@@ -514,6 +514,7 @@ class Distiller:
                                    partial_world=partial_world)
         if self.rank == 0:  # the model description travels with the run (resume needs no flags)
             self.models_api.save_model_info(self.student_info, root)
+            self.models_api.keep_hf_files(root, self.args.load, self.args.tokenizer_model)
         return save_checkpoint(root, iteration, self.student.module, self.optimizer, self.scheduler,
                                self.student_groups.pg_collection.dp_cp, common,
                                partial_world=partial_world)
