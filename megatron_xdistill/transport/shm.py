@@ -11,6 +11,7 @@ exit, and when the object is collected, so a failing rank leaks no shared memory
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 import uuid
 import weakref
@@ -39,6 +40,21 @@ def _release(own: shared_memory.SharedMemory | None,
             own.unlink()
         except FileNotFoundError:
             pass
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Map another rank's segment without letting this process's resource tracker own it.
+
+    Before Python 3.13 attaching registers the segment with the tracker, which unlinks it when
+    *this* process exits (under the owner's feet, with a warning at exit); the owner alone
+    unlinks (on close, or its own tracker if it dies)."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, create=False, track=False)
+    from multiprocessing import resource_tracker
+
+    shm = shared_memory.SharedMemory(name=name, create=False)
+    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001 - the registered name
+    return shm
 
 
 class SharedMemoryTransport:
@@ -79,8 +95,7 @@ class SharedMemoryTransport:
             list(range(dist.get_world_size()))
         self._views: dict[int, shared_memory.SharedMemory] = {}
         for sender in senders:
-            self._views[sender] = shared_memory.SharedMemory(
-                name=names[group_ranks.index(sender)], create=False)
+            self._views[sender] = _attach(names[group_ranks.index(sender)])
         self._finalizer = weakref.finalize(self, _release, self._own, list(self._views.values()))
         atexit.register(self._finalizer)
 
