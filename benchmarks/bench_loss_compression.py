@@ -38,20 +38,14 @@ def _load(args):
     from transformers import AutoModelForCausalLM
 
     from megatron_xdistill.align import TokenAligner, load_tokenizer
-    from megatron_xdistill.assets import cache_dir, fetch_model, stdlib_python_files
-    from megatron_xdistill.projection.runtime import load_projection, save_projection
+    from megatron_xdistill.assets import fetch_model, stdlib_python_files
+    from megatron_xdistill.projection.runtime import load_projection
+    from megatron_xdistill.workflow import build_projection
 
     s_dir, t_dir = fetch_model(args.student), fetch_model(args.teacher)
     s_tok, t_tok = load_tokenizer(s_dir), load_tokenizer(t_dir)
-    path = cache_dir() / "projections" / f"{args.student}__{args.teacher}.safetensors"
-    if path.exists():
-        projection = load_projection(path, s_tok, t_tok)
-    else:
-        from megatron_xdistill.projection.build import build_projection
-
-        projection = build_projection(s_tok, t_tok)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_projection(projection, path)
+    path = build_projection(args.student, args.teacher, s_dir, t_dir)  # cached
+    projection = load_projection(path, s_tok, t_tok)
     files = [p for p in stdlib_python_files() if p.stat().st_size > args.chars]
     step = max(1, len(files) // args.docs)
     texts = [f.read_text(encoding="utf-8", errors="replace")[: args.chars]

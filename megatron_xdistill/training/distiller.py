@@ -86,6 +86,34 @@ class PhaseTimes:
         return out
 
 
+class _LossClockStop(torch.autograd.Function):
+    """Identity on the logits; its backward runs after the loss's own backward: clock stops."""
+
+    @staticmethod
+    def forward(ctx, x, clock):
+        ctx.clock = clock
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.times.loss += time.perf_counter() - ctx.clock.started
+        return grad, None
+
+
+class _LossClockStart(torch.autograd.Function):
+    """Identity on the loss; its backward runs first: clock starts."""
+
+    @staticmethod
+    def forward(ctx, x, clock):
+        ctx.clock = clock
+        return x.clone()  # a scalar; the schedule divides it in place (no view allowed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.started = time.perf_counter()
+        return grad, None
+
+
 class _LossClock:
     """Times the loss's forward and backward inside the pipeline schedule's autograd pass.
 
@@ -97,29 +125,12 @@ class _LossClock:
     def __init__(self, times: PhaseTimes) -> None:
         self.times = times
         self.started = 0.0
-        clock = self
 
-        class _Enter(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.view_as(x)
+    def enter(self, logits: torch.Tensor) -> torch.Tensor:
+        return _LossClockStop.apply(logits, self)
 
-            @staticmethod
-            def backward(ctx, grad):
-                clock.times.loss += time.perf_counter() - clock.started
-                return grad
-
-        class _Leave(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                return x.clone()  # a scalar; the schedule divides it in place (no view allowed)
-
-            @staticmethod
-            def backward(ctx, grad):
-                clock.started = time.perf_counter()
-                return grad
-
-        self.enter, self.leave = _Enter.apply, _Leave.apply
+    def leave(self, loss: torch.Tensor) -> torch.Tensor:
+        return _LossClockStart.apply(loss, self)
 
 
 _SETUP_DONE = "xdistill: student setup done"
