@@ -22,7 +22,10 @@ from megatron_xdistill.testing.multirank import RankPool
 
 WORLD = 4
 RTOL = 1e-5
-CASE = dict(batch=4, ts=32, tt=24, vs=70, vt=62, vs_padded=96, vt_padded=72, seed=11)
+# Normalised W rows: the chunk top-k tail takes its sparse row-sum path (the general path is
+# covered by test_loss_reference's gradcheck and the TailRowSums test).
+CASE = dict(batch=4, ts=32, tt=24, vs=70, vt=62, vs_padded=96, vt_padded=72, seed=11,
+            normalised_rows=True)
 # (mode, form, topk, temperature, reverse, exact_only, ce_weight, dynamic, uncommon_topk)
 CONFIGS = [
     ("pkl", "full", None, 1.0, False, False, 0.5, False, 8192),

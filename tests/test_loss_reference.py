@@ -134,13 +134,15 @@ GRADCHECK = [
 ]
 
 
-@pytest.mark.parametrize("config", GRADCHECK, ids=lambda c: f"{c[0]}-{c[1]}-T{c[3]}-rev{c[4]}")
+@pytest.mark.parametrize("config", GRADCHECK + [GRADCHECK[3] + ("normalised",)],
+                         ids=lambda c: f"{c[0]}-{c[1]}-T{c[3]}-rev{c[4]}" + "".join(c[6:]))
 def test_gradcheck_float64(config):
     """Backward (recomputed softmaxes, blockwise) equals finite differences in float64."""
     from megatron_xdistill.loss import parallel_kd_loss
 
-    mode, form, topk, temp, reverse, with_ce = config
-    case = make_case(batch=2, ts=8, tt=8, vs=11, vt=9, vs_padded=16, vt_padded=12, seed=5)
+    mode, form, topk, temp, reverse, with_ce = config[:6]
+    case = make_case(batch=2, ts=8, tt=8, vs=11, vt=9, vs_padded=16, vt_padded=12, seed=5,
+                     normalised_rows="normalised" in config)
     common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
                         num_common=None if common[0] is None else common[0].numel())
@@ -185,3 +187,28 @@ def test_compressed_form_is_a_bound_that_tightens_with_k(realistic):
     assert all(a <= b * (1 + 1e-6) for a, b in zip(values, values[1:]))
     assert values[-2] <= exact * (1 + 1e-6)
     assert values[-1] == pytest.approx(exact, rel=1e-5)
+
+
+@pytest.mark.parametrize("rows", ["normalised", "varied", "all-equal", "empty"])
+def test_tail_row_sums_match_dense_products(rows):
+    """The tail's p.r and p * (b + a r) equal the dense products, whether the row sums are
+    split into a constant plus exceptions (normalised rows, fp32 rounding included) or not."""
+    from megatron_xdistill.loss.modes import TailRowSums
+
+    gen = torch.Generator().manual_seed(3)
+    v = 0 if rows == "empty" else 400
+    w = torch.rand(v, 3, generator=gen)
+    if rows != "varied":
+        w /= w.sum(1, keepdim=True)  # sums 1 within a few ulps
+        w[torch.randperm(v, generator=gen)[: v // 50] if rows == "normalised" else []] = 0.0
+    r = w.sum(1)
+    split = TailRowSums(r)
+    assert split.sparse == (rows != "varied")
+    p = torch.softmax(3 * torch.randn(5, v, generator=gen), 1)
+    dense_r = torch.where((r - 1).abs() < 1e-6, torch.ones_like(r), r) if split.sparse else r
+    torch.testing.assert_close(split.mass(p), p @ dense_r, rtol=1e-5, atol=1e-6)
+    base, a = torch.randn(5, generator=gen), torch.randn(5, generator=gen)
+    out = p.clone()
+    split.scale_(out, base, a)
+    torch.testing.assert_close(out, p * (base[:, None] + a[:, None] * dense_r), rtol=1e-5,
+                               atol=1e-7)

@@ -80,15 +80,18 @@ class ProjectionShard:
         """Entries feeding teacher ``columns`` [r, k] from local rows below ``num_real``."""
         r, k = columns.shape
         flat = columns.reshape(-1).to(torch.int64)
-        start = self.crow[flat]
-        length = self.crow[flat + 1] - start
+        start = self.crow.index_select(0, flat)
+        length = self.crow.index_select(0, flat + 1) - start
         total = int(length.sum())
-        pair = torch.repeat_interleave(torch.arange(r * k, device=flat.device), length)
         first = torch.cumsum(length, 0) - length
-        pos = start[pair] + torch.arange(total, device=flat.device) - first[pair]
-        student = self.csr_student[pos]
-        keep = student < num_real
-        pair, student, weight = pair[keep], student[keep], self.csr_value[pos][keep]
+        pair = torch.repeat_interleave(torch.arange(r * k, device=flat.device), length)
+        pos = (torch.repeat_interleave(start - first, length)
+               + torch.arange(total, device=flat.device))
+        student = self.csr_student.index_select(0, pos)
+        weight = self.csr_value.index_select(0, pos)
+        if num_real < self.num_rows and total:  # drop Megatron's padded rows
+            keep = torch.nonzero(student < num_real, as_tuple=True)[0]
+            pair, student, weight = (t.index_select(0, keep) for t in (pair, student, weight))
         row = pair // max(k, 1)
         row_len = torch.bincount(row, minlength=r)
         return ColumnEntries(row=row, slot=pair % max(k, 1), student=student, weight=weight,

@@ -20,7 +20,7 @@ import torch
 from .chunks import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
 from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
-from .modes import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
+from .modes import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw, TailRowSums
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 from .workspace import scratch
@@ -55,14 +55,14 @@ class _Plan:
 
     def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
                  temperature: float, labels: torch.Tensor | None, tp_group: Group,
-                 cp_group: Group, max_block: int, rowsum: torch.Tensor | None) -> None:
+                 cp_group: Group, max_block: int, tail: TailRowSums | None) -> None:
         self.rows, self.kernel = rows, kernel
         self.num_real, self.vocab_start = num_real, vocab_start
         self.temp = float(temperature)
         self.labels = labels
         self.tp_group, self.cp_group = tp_group, cp_group
         self.max_block = max_block
-        self.rowsum = rowsum  # tail bucket: W's row sums on the real local rows
+        self.tail = tail  # tail bucket: W's row sums on the real local rows
         self.dtype = torch.float32  # compute dtype (float64 for float64 logits, e.g. gradcheck)
         self.split_raw: Raw | None = None
 
@@ -118,13 +118,13 @@ class _Plan:
         n_pos = logits2d.shape[0]
         dev = logits.device
         self.dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        if self.rowsum is not None:
-            self.rowsum = self.rowsum.to(self.dtype)
+        if self.tail is not None:
+            self.tail = self.tail.to(self.dtype)
         opts = {"device": dev, "dtype": self.dtype}
         self.logz, self.lz_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
         if self._ce_extra:
             self.logz1, self.lz1_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
-        self.extra = torch.empty(n_pos, **opts) if self.rowsum is not None else None
+        self.extra = torch.empty(n_pos, **opts) if self.tail is not None else None
         acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
         raws, split_buf = [], None
         for blk in rows.blocks:
@@ -180,7 +180,7 @@ class _Plan:
         logz = top[:, 0] + stats[:, 0].log()
         self.logz[start:end], self.lz_local[start:end] = logz, lz_local
         if self.extra is not None:  # this shard's share of the projected mass (summed in kl)
-            self.extra[start:end] = (probs @ self.rowsum) * torch.exp(lz_local - logz)
+            self.extra[start:end] = self.tail.mass(probs) * torch.exp(lz_local - logz)
         if self.labels is not None:
             logz1 = logz
             if self._ce_extra:
@@ -409,20 +409,20 @@ def parallel_kd_loss(
         if labels.numel() != b * t:
             raise ValueError("labels must be [B, T_local] like the logits")
 
-    rowsum = None
+    tail = None
     if payload is None:
         rows = build_chunk_rows(torch.full((b, t), -1, dtype=torch.int64), 0, None, None,
                                 max_block)
         kernel = None
     else:
-        kernel, rows, rowsum = _kernel(
+        kernel, rows, tail = _kernel(
             payload, student_chunk_id, chunk_valid, chunk_exact, projection, mode, reverse,
             exact_only, common_student_ids, uncommon_topk, student_vocab_size, vocab_start,
             v_local, num_real, tp_group, cp_group, max_block, dev)
     plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows),
-                 rowsum=rowsum)
+                 tail=tail)
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
     return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
@@ -453,7 +453,7 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
     if exact_only:
         include &= chunk_exact.bool().cpu()
     rows = build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
-    rowsum = None
+    tail = None
     if mode == "pkl":
         shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
             projection[0], projection[1], vocab_start, _teacher_vocab(payload, projection))
@@ -464,8 +464,7 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
             kernel = DenseKernel(payload, shard, num_real, reverse, tp_group)
         else:
             kernel = ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), reverse, tp_group)
-            if kernel.tail:
-                rowsum = shard.rowsum[:num_real].contiguous()
+            tail = kernel.row_sums
     else:
         if common_student_ids is None:
             raise ValueError(f"mode {mode!r} needs common_student_ids "
@@ -476,7 +475,7 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
                              f"{payload.spec.width} common columns")
         n_unc = max(0, min(payload.spec.uncommon, vs - common.numel(), uncommon_topk))
         kernel = GoldKernel(payload, common, vocab_start, num_real, n_unc, reverse, tp_group)
-    return kernel, rows, rowsum
+    return kernel, rows, tail
 
 
 def _teacher_vocab(payload: TeacherPayload, projection) -> int:

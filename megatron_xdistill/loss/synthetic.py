@@ -5,7 +5,8 @@ with some invalid and some inexact chunks and trailing padding; W mixes one-to-o
 vocabulary), dominated multi-token rows, spread rows and empty rows. Logits are Gaussian, or with
 ``realistic=True`` peaked like a language model's (Zipf prior over the vocabulary, noise, one
 strongly preferred token per position). Padded vocabulary columns carry large garbage values, so a
-loss that lets them take probability is caught.
+loss that lets them take probability is caught. W's non-empty rows sum to various values, or to 1
+(up to fp32 rounding, like the projection builders' rows) with ``normalised_rows=True``.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _logits(gen: torch.Generator, shape: tuple[int, ...], real: int, padded: int
 
 def make_case(batch: int = 3, ts: int = 24, tt: int = 20, vs: int = 90, vt: int = 70,
               vs_padded: int | None = None, vt_padded: int | None = None, seed: int = 0,
-              realistic: bool = False) -> SyntheticCase:
+              realistic: bool = False, normalised_rows: bool = False) -> SyntheticCase:
     """A random batch (see the module docstring); CP slicing needs T divisible by 2 * CP."""
     gen = torch.Generator().manual_seed(seed)
     s_rows, t_rows, n_chunks = [], [], []
@@ -119,10 +120,13 @@ def make_case(batch: int = 3, ts: int = 24, tt: int = 20, vs: int = 90, vt: int 
     labels = torch.full((batch, ts), -1, dtype=torch.int64)
     labels[:, :-1] = student_ids[:, 1:]
     labels[:, -3:] = -1
+    projection = _projection(gen, vs, vt)
+    if normalised_rows:
+        projection /= projection.sum(1, keepdim=True).clamp_min(1e-30)
     return SyntheticCase(
         student_logits=_logits(gen, (batch, ts), vs, vs_padded or vs, realistic),
         teacher_logits=_logits(gen, (batch, tt), vt, vt_padded or vt, realistic),
         student_chunk_id=torch.tensor(s_rows), teacher_chunk_id=torch.tensor(t_rows),
-        chunk_valid=valid, chunk_exact=exact, projection=_projection(gen, vs, vt),
+        chunk_valid=valid, chunk_exact=exact, projection=projection,
         labels=labels, vs=vs, vt=vt,
     )
