@@ -82,7 +82,7 @@ def _hybrid_steps(steps: int) -> dict:
     nodes = node_of_ranks()
     transport = RoutedTransport(routes, numel=3, nodes=nodes)
     kinds = {"shm": len(transport.shm.routes) if transport.shm else 0,
-             "p2p": len(transport.p2p.routes)}
+             "p2p": len(transport.p2p.routes), "same_node": transport.same_node_kind}
     seen = []
     views = []
     for step in range(steps):
@@ -104,7 +104,11 @@ def test_two_nodes_use_shared_memory_within_and_p2p_across():
     with RankPool(WORLD, rank_env=env) as pool:
         out = pool.run(_hybrid_steps, 3)
     assert out[0]["nodes"] == [0, 0, 1, 1]
-    assert out[0]["kinds"]["shm"] > 0 and out[0]["kinds"]["p2p"] > 0
+    # Senders are ranks 2 and 3 (node 1); node 1's replica is served through shared memory,
+    # node 0's across the "nodes"; node 0 has no same-node routes, so no slots there.
+    assert [o["kinds"]["same_node"] for o in out] == [None, None, "shared memory",
+                                                      "shared memory"]
+    assert out[2]["kinds"]["shm"] > 0 and out[0]["kinds"]["p2p"] > 0
     for rank, result in enumerate(out):
         dp = rank // 2
         expected = {i for i in range(8) if i % 2 == dp}
@@ -114,3 +118,59 @@ def test_two_nodes_use_shared_memory_within_and_p2p_across():
     import glob
 
     assert not glob.glob("/dev/shm/xdistill_*"), "shared memory left behind"
+
+
+def slot_steps(steps: int, dtype_name: str, device: str = "cuda") -> dict:
+    """Rank 0 sends 3 samples to rank 1 through the slot transport for ``steps`` steps: shared
+    memory on CPU, CUDA IPC with ``device="cuda"`` (tests/test_gpu.py)."""
+    import torch.distributed as dist
+
+    from megatron_xdistill.transport.routing import Route
+
+    dtype = getattr(torch, dtype_name)
+    rank = dist.get_rank()
+    numel = 1000
+    routes = [Route(s, 0, 1) for s in range(3)]
+    if device == "cuda":
+        from megatron_xdistill.transport.cuda_ipc import CudaIpcTransport
+
+        torch.cuda.set_device(0)
+        transport = CudaIpcTransport(routes, numel, dtype)
+    else:
+        from megatron_xdistill.transport.shm import SharedMemoryTransport
+
+        transport = SharedMemoryTransport(routes, numel, dtype)
+    seen, intact, zero_copy = [], [], []
+    previous: dict = {}
+    for step in range(steps):
+        # Views of the last step stay intact until this rank's next exchange, while the sender
+        # may already write this step (into the other slot).
+        intact.append(all(bool((v == 10 * (step - 1) + s).all()) for s, v in previous.items()))
+        outgoing = {s: torch.full((numel,), 10.0 * step + s, dtype=dtype, device=device)
+                    for s in range(3)} if rank == 0 else {}
+        got = transport.exchange(outgoing)
+        if rank == 1:
+            base = transport._buffers[0]
+            lo, hi = base.data_ptr(), base.data_ptr() + base.numel()
+            zero_copy.append(all(lo <= v.data_ptr() < hi and v.device.type == device
+                                 for v in got.values()))
+            seen.append({s: (v[0].item(), v[-1].item(), str(v.dtype)) for s, v in got.items()})
+        previous = got
+    transport.close()
+    return {"seen": seen, "intact": intact, "zero_copy": zero_copy}
+
+
+def check_slot_steps(out: list, dtype: str) -> None:
+    receiver = out[1]
+    assert len(receiver["seen"]) == 4
+    for step, got in enumerate(receiver["seen"]):
+        assert got == {s: (10.0 * step + s, 10.0 * step + s, f"torch.{dtype}")
+                       for s in range(3)}, f"step {step}"
+    assert all(receiver["zero_copy"]), "receivers must read the sender's buffer (zero-copy)"
+    assert all(receiver["intact"]), "a view changed before the receiver's next exchange"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shared_memory_slots_are_zero_copy_and_double_buffered(dtype):
+    with RankPool(2) as ranks:
+        check_slot_steps(ranks.run(slot_steps, 4, dtype, "cpu"), dtype)

@@ -166,6 +166,9 @@ class Distiller:
         self.log = log
         self.rank = dist.get_rank()
         world = dist.get_world_size()
+        # Where models, inputs and collective buffers live: this rank's GPU, else the CPU.
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
         self.placement = placement = Placement.from_args(args, world)
         self.student_layout = ParallelLayout.for_world(
             placement.student_size, args.tensor_model_parallel_size, args.context_parallel_size,
@@ -222,13 +225,14 @@ class Distiller:
                                    self.student_layout, self.teacher_layout,
                                    placement.student_offset, placement.teacher_offset)
         self.transport = self.stream = None
+        device = self.device
         if placement.disaggregated:
             self.stream = StreamingTransport(
                 self.routes, numel=self.kd.payload_numel, group=transfer_group,
-                timeout_s=60.0 * args.distributed_timeout_minutes,
-                device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+                timeout_s=60.0 * args.distributed_timeout_minutes, device=device)
         else:
-            self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel)
+            self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
+                                             device=device)
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
         self.shipped_bytes_per_step = self.kd.spec.nbytes * sum(
             1 for r in self.routes if r.src != r.dst)
@@ -315,8 +319,8 @@ class Distiller:
         def forward_step(data_iterator, module):
             batch = next(data_iterator)
             tokens = batch["teacher_tokens"][:, :-1]
-            local = slice_for_cp_rank(tokens, 1, cp_rank, cp)
-            pos = self._positions(tokens.size(0), tokens.size(1), groups)
+            local = slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device)
+            pos = self._positions(tokens.size(0), tokens.size(1), groups).to(self.device)
             return module(local, pos, None), partial(payload_func, batch)
 
         with torch.no_grad():
@@ -342,7 +346,8 @@ class Distiller:
                  if student_replica_of(i, self.mbs, self.student_layout.dp)[0] == s_dp]
         batch = collate_samples([samples[i] for i in local])
         counts = torch.tensor([float(self.kd.count_chunks(batch)),
-                               float(batch["loss_mask"].sum())], dtype=torch.float64)
+                               float(batch["loss_mask"].sum())], dtype=torch.float64,
+                              device=self.device)
         dist.all_reduce(counts, group=self.student_groups.pg_collection.dp)
         return counts[0].item(), counts[1].item()
 
@@ -434,8 +439,8 @@ class Distiller:
         def forward_step(data_iterator, module):
             batch = next(data_iterator)
             tokens = batch["tokens"][:, :-1]
-            local = slice_for_cp_rank(tokens, 1, cp_rank, cp)
-            pos = self._positions(tokens.size(0), tokens.size(1), groups)
+            local = slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device)
+            pos = self._positions(tokens.size(0), tokens.size(1), groups).to(self.device)
             logits = module(local, pos, None)
             return logits, partial(self._student_loss, batch, n_chunks, n_tokens)
 
@@ -454,7 +459,7 @@ class Distiller:
         t4 = time.perf_counter()
         self.times.student += t3 - t2
         self.times.optimizer += t4 - t3
-        report = torch.zeros(4, dtype=torch.float64)
+        report = torch.zeros(4, dtype=torch.float64, device=self.device)
         if groups.is_last_stage and groups.coords["tp"] == 0:
             report[:3] = torch.stack([r["report"] for r in reduced]).double().sum(0)
             if groups.coords["cp"] == 0 and groups.coords["dp"] == 0:
@@ -478,7 +483,7 @@ class Distiller:
             return {}
         groups = self.student_groups
         cp, cp_rank = self.student_layout.cp, groups.coords["cp"]
-        totals = torch.zeros(3, dtype=torch.float64)  # nats, tokens, bytes
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
         self.student.eval()
         for batch in batches:
             def loss_func(b, logits):
@@ -490,8 +495,8 @@ class Distiller:
             def forward_step(it, module, batch=batch):
                 b = next(it)
                 tokens = b["tokens"][:, :-1]
-                local = slice_for_cp_rank(tokens, 1, cp_rank, cp)
-                pos = self._positions(tokens.size(0), tokens.size(1), groups)
+                local = slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device)
+                pos = self._positions(tokens.size(0), tokens.size(1), groups).to(self.device)
                 return module(local, pos, None), partial(loss_func, b)
 
             with torch.no_grad():
@@ -507,7 +512,7 @@ class Distiller:
             if groups.is_last_stage and groups.coords["tp"] == 0:
                 totals[:2] += reduced[0]["sum"]
                 if cp_rank == 0:
-                    totals[2] += batch["num_bytes"].sum().double()
+                    totals[2] += batch["num_bytes"].sum().double().to(self.device)
         self.student.train()
         dist.all_reduce(totals, group=self.student_world)
         nats, tokens, num_bytes = totals.tolist()

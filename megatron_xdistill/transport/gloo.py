@@ -2,7 +2,8 @@
 
 Same-rank routes are plain references (no copy); the rest go as one batch of isend/irecv per
 step. Payloads are flat tensors of a size every rank knows in advance (the plan is from sizes).
-This is the CPU stand-in for the CUDA IPC and NCCL transports of the GPU runtime.
+Gloo between CPU processes; between GPUs on different nodes the same code runs over an NCCL
+group with device buffers (see :mod:`.hybrid`, which builds that group).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from megatron_xdistill.transport.routing import Route
 class P2PTransport:
     """Moves per-sample flat payloads along a routing plan with batched point-to-point ops."""
 
-    def __init__(self, routes: Sequence[Route], group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, routes: Sequence[Route], group: dist.ProcessGroup | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.routes = list(routes)
         self.group = group
+        self.device = torch.device(device)
         self.rank = dist.get_rank()
         self.bytes_sent = 0
         self.seconds = 0.0
@@ -40,7 +43,7 @@ class P2PTransport:
             if route.src == self.rank and route.dst == self.rank:
                 received[route.sample] = outgoing[route.sample]
             elif route.src == self.rank:
-                tensor = outgoing[route.sample].contiguous()
+                tensor = outgoing[route.sample].reshape(-1).contiguous()
                 if tensor.numel() != numel:
                     raise ValueError(
                         f"rank {self.rank}: payload of sample {route.sample} has {tensor.numel()} "
@@ -49,7 +52,7 @@ class P2PTransport:
                 ops.append(dist.P2POp(dist.isend, tensor, route.dst, group=self.group))
                 self.bytes_sent += tensor.numel() * tensor.element_size()
             elif route.dst == self.rank:
-                buffer = torch.empty(numel, dtype=dtype)
+                buffer = torch.empty(numel, dtype=dtype, device=self.device)
                 received[route.sample] = buffer
                 ops.append(dist.P2POp(dist.irecv, buffer, route.src, group=self.group))
         if ops:

@@ -1,0 +1,173 @@
+"""GPU: CUDA IPC transport between processes, the NCCL group guard, GPU memory after a dead rank,
+the loss on CUDA against the CPU reference, and training on the GPU against the CPU run.
+
+All marked ``gpu`` (skipped without CUDA). Written for a one-GPU machine: the IPC tests put two
+processes on one GPU with a gloo control group (NCCL refuses two ranks on one GPU, which the guard
+test checks is reported as such).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_transport import check_slot_steps, slot_steps
+
+from megatron_xdistill.testing.multirank import RankError, RankPool
+
+pytestmark = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------------------- CUDA IPC
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2) as ranks:
+        yield ranks
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_ipc_between_two_processes_on_one_gpu(pool, dtype):
+    check_slot_steps(pool.run(slot_steps, 4, dtype, "cuda"), dtype)
+
+
+def _routed(kind_env: str) -> dict:
+    """RoutedTransport on the GPU: 2 ranks, rank 0 sends 2 samples to rank 1."""
+    import torch.distributed as dist
+
+    from megatron_xdistill.transport.hybrid import RoutedTransport
+    from megatron_xdistill.transport.routing import Route
+
+    torch.cuda.set_device(0)
+    rank = dist.get_rank()
+    transport = RoutedTransport([Route(0, 0, 1), Route(1, 0, 1), Route(2, 1, 1)], numel=8,
+                                device="cuda:0")
+    out = {0: torch.full((8,), 1.0, device="cuda"), 1: torch.full((8,), 2.0, device="cuda")} \
+        if rank == 0 else {2: torch.full((8,), 3.0, device="cuda")}
+    got = transport.exchange(out)
+    result = {"kind": transport.same_node_kind,
+              "got": {s: v.tolist() for s, v in sorted(got.items())}}
+    transport.close()
+    return result
+
+
+def test_routed_transport_uses_cuda_ipc_within_a_node(pool):
+    out = pool.run(_routed, "")
+    assert out[1]["kind"] == "CUDA IPC"
+    assert out[1]["got"] == {0: [1.0] * 8, 1: [2.0] * 8, 2: [3.0] * 8}
+    assert out[0]["got"] == {}
+
+
+def test_nccl_route_between_two_ranks_on_one_gpu_is_refused():
+    """Two torchrun "nodes" on one GPU: the cross-node route would need NCCL between two
+    ranks on one GPU; both ranks refuse with an error naming them (no hang)."""
+    env = [{"GROUP_RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for r in range(2)]
+    with RankPool(2, rank_env=env) as ranks, pytest.raises(RankError, match="both use GPU"):
+        ranks.run(_routed, "", timeout=120)
+
+
+def _hold_ipc_then_die(nbytes: int, who_dies: int) -> None:
+    import torch.distributed as dist
+
+    from megatron_xdistill.transport.cuda_ipc import CudaIpcTransport
+    from megatron_xdistill.transport.routing import Route
+
+    torch.cuda.set_device(0)
+    transport = CudaIpcTransport([Route(0, 0, 1)], nbytes // 4)
+    out = {0: torch.ones(nbytes // 4, device="cuda")} if dist.get_rank() == 0 else {}
+    transport.exchange(out)
+    dist.barrier()
+    if dist.get_rank() == who_dies:
+        os._exit(3)  # no close, no finalizers: as if killed
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("who_dies", [0, 1], ids=["sender-dies", "receiver-dies"])
+def test_dead_rank_leaks_no_gpu_memory(who_dies):
+    nbytes = 1 << 30  # 2 slots = 2 GiB on the GPU, plus the 1 GiB payload
+    torch.cuda.init()
+    free_before = torch.cuda.mem_get_info(0)[0]
+    with RankPool(2) as ranks, pytest.raises(RankError):
+        ranks.run(_hold_ipc_then_die, nbytes, who_dies, timeout=120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        free = torch.cuda.mem_get_info(0)[0]
+        if free >= free_before - (256 << 20):
+            break
+        time.sleep(1)
+    assert free >= free_before - (256 << 20), \
+        f"{(free_before - free) / 2**30:.2f} GiB still held after the ranks ended"
+
+
+# ---------------------------------------------------------------------------- loss numerics
+@pytest.mark.parametrize("mode,form,topk", [("pkl", "full", None), ("pkl", "topk", 12),
+                                            ("pkl", "chunk_topk", 6), ("gold", "gold", None),
+                                            ("hkl", "gold", None)])
+def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
+    """fp32 on CUDA vs the float64 CPU reference: loss and gradient, rel 1e-5."""
+    from megatron_xdistill.loss import parallel_kd_loss, reference
+    from megatron_xdistill.loss.common import common_vocab_from_dense, shift_chunk_ids
+    from megatron_xdistill.loss.synthetic import make_case
+    from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
+
+    case = make_case(batch=3, ts=40, tt=32, vs=300, vt=250, vs_padded=320, vt_padded=256,
+                     seed=4, realistic=True, normalised_rows=True)
+    common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
+    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
+                        num_common=None if common[0] is None else common[0].numel())
+    dev = torch.device(os.environ.get("XDISTILL_TEST_DEVICE", "cuda"))
+    payload = teacher_payload(case.teacher_logits.to(dev), shift_chunk_ids(case.teacher_chunk_id),
+                              spec, vocab_size=case.vt, temperature=1.5,
+                              common_teacher_ids=None if common[1] is None else common[1].to(dev))
+    logits = case.student_logits.to(dev).requires_grad_(True)
+    terms = parallel_kd_loss(
+        logits, payload, shift_chunk_ids(case.student_chunk_id), case.chunk_valid,
+        case.chunk_exact, case.projection_rows(case.student_logits.shape[-1]),
+        student_vocab_size=case.vs, mode=mode, temperature=1.5,
+        common_student_ids=None if common[0] is None else common[0].to(dev),
+        labels=case.labels)
+    loss = terms.kd_sum / terms.kd_count + terms.ce_sum / terms.ce_count
+    loss.backward()
+
+    z = case.real_student_logits.detach().double().requires_grad_(True)
+    kw = {"vocab_topk": topk} if form == "topk" else {"chunk_topk": topk} if topk else {}
+    ref = reference.kd_loss(z, case.real_teacher_logits.double(), case.student_chunk_id,
+                            case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
+                            case.projection.double(), mode, 1.5, **kw)
+    mask = case.labels >= 0
+    ref = ref + torch.nn.functional.cross_entropy(z[mask], case.labels[mask])
+    ref.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    grad = logits.grad.cpu().double()
+    scale = z.grad.abs().max().item()
+    torch.testing.assert_close(grad[..., : case.vs], z.grad, rtol=1e-5, atol=1e-5 * scale)
+    assert torch.count_nonzero(grad[..., case.vs:]) == 0
+
+
+# ---------------------------------------------------------------------------- training
+def test_training_on_gpu_matches_cpu_run(tmp_path):
+    """pretrain_xdistill on one GPU gives the CPU run's first losses (fp32, rel 2e-4: GPU and
+    CPU kernels round differently, and three Adam steps carry the differences)."""
+    import test_e2e
+
+    if not (test_e2e.ASSETS / "tokenizers").is_dir():
+        pytest.skip("shared assets not found")
+    root, s_tok, t_tok = test_e2e.make_setup(tmp_path)
+    script = test_e2e.Path(__file__).resolve().parents[1] / "pretrain_xdistill.py"
+
+    def run(name: str, env: dict) -> list:
+        argv = test_e2e._argv(root, s_tok, t_tok, name, [])
+        done = subprocess.run([sys.executable, str(script), *argv], capture_output=True,
+                              text=True, env={**os.environ, **env}, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        return test_e2e._losses(root, name)
+
+    cpu = run("cpu", {"CUDA_VISIBLE_DEVICES": ""})
+    gpu = run("gpu", {})
+    assert len(gpu) == len(cpu) == test_e2e.STEPS
+    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(gpu, cpu), 1):
+        assert kd == pytest.approx(kd_ref, rel=2e-4), f"step {step} kd"
+        assert ce == pytest.approx(ce_ref, rel=2e-4), f"step {step} ce"
