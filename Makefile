@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MCORE_SPEC ?= megatron-core==0.19.2
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install demo test test-slow test-gpu lint bench clean
 
 install: $(STAMP)
 
@@ -38,6 +38,9 @@ test: install lint
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow
+
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu
 
 lint: install
 	$(BIN)/ruff check .

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import test_e2e
-from test_e2e import RTOL, STEPS, WORLD, _argv, _losses, _run_main, make_setup, reference_losses
+from test_e2e import WORLD, _argv, _losses, _run_main, assert_losses_match
 
 from megatron_xdistill.testing.multirank import RankError, RankPool
 
@@ -29,13 +29,13 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory.mktemp("disaggregated"))
+def setup(e2e_setup):
+    return e2e_setup
 
 
 @pytest.fixture(scope="module")
-def reference(setup):
-    return reference_losses(*setup)
+def reference(e2e_reference):
+    return e2e_reference
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,7 @@ def pool():
 def test_first_steps_match_colocated_reference(setup, reference, pool, name):
     root, s_tok, t_tok = setup
     pool.run(_run_main, _argv(root, s_tok, t_tok, name, DISAGGREGATED + LAYOUTS[name]))
-    got = _losses(root, name)
-    assert len(got) == len(reference) == STEPS
-    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(got, reference), 1):
-        assert kd == pytest.approx(kd_ref, rel=RTOL), f"{name} step {step} kd"
-        assert ce == pytest.approx(ce_ref, rel=RTOL), f"{name} step {step} ce"
+    assert_losses_match(_losses(root, name), reference, name)
     records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
     for record in records:  # the progress line's transport figures
         assert record["payload_bytes_per_token"] > 0 and record["shipped_bytes_per_token"] > 0

@@ -68,8 +68,8 @@ def make_setup(root: Path) -> tuple[Path, Path, Path]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return make_setup(tmp_path_factory.mktemp("e2e"))
+def setup(e2e_setup):
+    return e2e_setup
 
 
 def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
@@ -116,8 +116,16 @@ def reference_losses(root: Path, s_tok: Path, t_tok: Path) -> list[tuple[float, 
 
 
 @pytest.fixture(scope="module")
-def reference(setup):
-    return reference_losses(*setup)
+def reference(e2e_reference):
+    return e2e_reference
+
+
+def assert_losses_match(got: list, reference: list, name: str) -> None:
+    """Every step's (kd, ce) equals the reference's (rel RTOL)."""
+    assert len(got) == len(reference) == STEPS, name
+    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(got, reference), 1):
+        assert kd == pytest.approx(kd_ref, rel=RTOL), f"{name} step {step} kd"
+        assert ce == pytest.approx(ce_ref, rel=RTOL), f"{name} step {step} ce"
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +138,7 @@ def pool():
 def test_first_steps_match_reference(setup, reference, pool, name):
     root, s_tok, t_tok = setup
     pool.run(_run_main, _argv(root, s_tok, t_tok, name, LAYOUTS[name]))
-    got = _losses(root, name)
-    assert len(got) == len(reference) == STEPS
-    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(got, reference), 1):
-        assert kd == pytest.approx(kd_ref, rel=RTOL), f"{name} step {step} kd"
-        assert ce == pytest.approx(ce_ref, rel=RTOL), f"{name} step {step} ce"
+    assert_losses_match(_losses(root, name), reference, name)
 
 
 def test_resume_matches_uninterrupted_run(setup, pool):
