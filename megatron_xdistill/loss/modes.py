@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .collectives import Group, all_reduce, replicated_gather, replicated_sum
+from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .formulas import gold_kl, projected_kl
 from .payload import TeacherPayload
 from .shard import ProjectionShard
@@ -270,8 +270,9 @@ class GoldKernel:
         a_unc = a.index_select(1, self.col_uncommon)
         if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
             a_unc = torch.cat([a_unc, a.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
-        local_top = a_unc.topk(n, dim=1).values
-        merged = replicated_gather(local_top, self.tp_group, dim=1).topk(n, dim=1).values
+        merged = a_unc.topk(n, dim=1).values  # sorted, descending
+        if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
+            merged = replicated_gather(merged, self.tp_group, dim=1).topk(n, dim=1).values
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
         kl = gold_kl(a_common, b_common, merged.exp(), t_sorted, self.reverse)
         if self.num_common:
