@@ -152,6 +152,24 @@ def test_resume_matches_uninterrupted_run(setup, pool):
     assert (root / "full" / "hf_files" / "config.json").is_file()  # export needs no template
 
 
+def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(setup, pool):
+    """--kd-weight 0 skips the teacher (not loaded, not run); the student's CE per step equals
+    a run that computes the teacher and KD but weighs it by 1e-30 (below fp32 resolution)."""
+    root, s_tok, t_tok = setup
+    extra = ["--tensor-model-parallel-size", "2", "--ce-weight", "1.0"]
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "ce_only", extra + ["--kd-weight", "0"]))
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "kd_tiny", extra + ["--kd-weight", "1e-30"]))
+    ce_only, kd_tiny = _losses(root, "ce_only"), _losses(root, "kd_tiny")
+    assert len(ce_only) == len(kd_tiny) == STEPS
+    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(ce_only, kd_tiny), 1):
+        assert ce == pytest.approx(ce_ref, rel=RTOL), f"step {step} ce"
+        assert kd != kd and kd_ref == kd_ref, "CE alone reports no KD value (NaN)"
+    records = [json.loads(x) for x in (root / "ce_only.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "kd" in r]
+    assert steps and all(r["shipped_bytes_per_token"] == 0 and r["time_teacher"] == 0
+                         for r in steps)
+
+
 @pytest.mark.slow
 def test_ray_launcher_matches_torchrun(setup):
     """xdistill-ray on a two-node local Ray cluster gives torchrun's losses (world size 4)."""

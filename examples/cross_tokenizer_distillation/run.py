@@ -614,8 +614,7 @@ def write_report(results: dict, out: Path) -> Path:
               "- Wall times are of one run on a CPU machine that other jobs shared; they are "
               "not speed measurements.",
               "- The CE-only baseline runs through the same distillation entry point with "
-              "`--kd-weight 0`; the teacher forward still runs there (it costs time, not "
-              "quality).",
+              "`--kd-weight 0`, which neither loads nor runs the teacher.",
               "", f"Machine: {m['platform']}, Python {m['python']}, torch {m['torch']}, "
               f"{m['date']}. Wall time: " + ", ".join(
                   f"{k} {v / 60:.1f} min" for k, v in results["timings"].items()) + ".", ""]

@@ -177,6 +177,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            f"length ({args.lr_decay_iters}: --lr-decay-iters, default --train-iters)")
     _check(args.kd_weight > 0 or args.ce_weight > 0 or args.kd_dynamic_scaling,
            "--kd-weight and --ce-weight are both 0: nothing to train")
+    _check(not (args.kd_weight == 0 and not args.kd_dynamic_scaling
+                and getattr(args, "teacher_placement", "colocated") == "disaggregated"),
+           "--kd-weight 0 trains on CE alone and runs no teacher: drop "
+           "--teacher-placement disaggregated (its teacher ranks would idle)")
     for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),
                        ("--tokenizer-model", args.tokenizer_model),
                        ("--teacher-tokenizer-model", args.teacher_tokenizer_model)):

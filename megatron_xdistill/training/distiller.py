@@ -183,7 +183,10 @@ class Distiller:
         self.teacher_groups = build_model_parallel_groups(self.teacher_layout,
                                                           placement.teacher_offset)
         self.has_student = placement.is_student(self.rank)
-        self.has_teacher = placement.is_teacher(self.rank)
+        # --kd-weight 0 (without dynamic scaling) trains on CE alone: the teacher's output
+        # would be multiplied by 0, so it is neither loaded nor run.
+        self.ce_only = args.kd_weight == 0 and not args.kd_dynamic_scaling
+        self.has_teacher = placement.is_teacher(self.rank) and not self.ce_only
         # Disaggregated: each side's own "world" (checkpoint loads; the student's metrics and
         # evaluation) and a group that carries only the teacher -> student payloads.
         # None: the whole world.
@@ -234,8 +237,10 @@ class Distiller:
             self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
                                              device=device)
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
-        self.shipped_bytes_per_step = self.kd.spec.nbytes * sum(
+        self.shipped_bytes_per_step = 0 if self.ce_only else self.kd.spec.nbytes * sum(
             1 for r in self.routes if r.src != r.dst)
+        if self.ce_only:
+            log("> --kd-weight 0: training on CE alone; the teacher is not loaded or run")
         self.times = PhaseTimes()
         self._loss_clock = _LossClock(self.times)
         self.step = 0  # steps run by this process (both sides count alike)
@@ -358,7 +363,7 @@ class Distiller:
             ids = [j * self.mbs * self.student_layout.dp + s_dp * self.mbs + k
                    for k in range(self.mbs)]
             batch = collate_samples([samples[i] for i in ids])
-            if self.student_groups.is_last_stage:
+            if self.student_groups.is_last_stage and not self.ce_only:
                 batch["payload"] = torch.stack([payloads[i] for i in ids]).float()
             batches.append(batch)
         return batches
@@ -368,7 +373,7 @@ class Distiller:
         layout = self.student_layout
         clock = self._loss_clock
         t0 = time.perf_counter()
-        terms = self.kd.student_terms(clock.enter(logits), batch)
+        terms = self.kd.student_terms(clock.enter(logits), batch, with_kd=not self.ce_only)
         args = self.args
         loss, _ = total_loss(terms, kd_weight=args.kd_weight, ce_weight=args.ce_weight,
                              dynamic_scaling=args.kd_dynamic_scaling, kd_denominator=n_chunks,
@@ -397,7 +402,9 @@ class Distiller:
             return self._teacher_only_step(step, samples)
         teacher_seconds = 0.0
         t0 = t1 = time.perf_counter()
-        if self.stream is None:  # colocated: this rank runs its teacher shard first
+        if self.ce_only:
+            payloads = {}
+        elif self.stream is None:  # colocated: this rank runs its teacher shard first
             outgoing = self._teacher_forward(samples)
             t1 = time.perf_counter()
             self.times.teacher += t1 - t0
@@ -468,8 +475,9 @@ class Distiller:
         dist.all_reduce(report, group=self.student_world)
         if self.stream is not None:
             self.times.teacher += report[3].item()
-        return {"kd": report[0].item(), "ce": report[1].item(),
-                "top1_agree": report[2].item() / max(n_chunks, 1.0),
+        nan = float("nan")  # CE alone: no KD term was computed
+        return {"kd": nan if self.ce_only else report[0].item(), "ce": report[1].item(),
+                "top1_agree": nan if self.ce_only else report[2].item() / max(n_chunks, 1.0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": lr, "skipped": int(not ok),
                 "chunks": int(n_chunks), "tokens": int(n_tokens),
