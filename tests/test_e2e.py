@@ -8,6 +8,7 @@ and resumed run matches the uninterrupted one exactly.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -139,6 +140,8 @@ def test_first_steps_match_reference(setup, reference, pool, name):
     root, s_tok, t_tok = setup
     pool.run(_run_main, _argv(root, s_tok, t_tok, name, LAYOUTS[name]))
     assert_losses_match(_losses(root, name), reference, name)
+    # The ranks live on (a pool): the run itself released its shared-memory payload slots.
+    assert not glob.glob("/dev/shm/xdistill_*"), "shared memory left behind by the run"
 
 
 def test_resume_matches_uninterrupted_run(setup, pool):

@@ -34,7 +34,7 @@ def test_cuda_ipc_between_two_processes_on_one_gpu(pool, dtype):
     check_slot_steps(pool.run(slot_steps, 4, dtype, "cuda"), dtype)
 
 
-def _routed(kind_env: str) -> dict:
+def _routed() -> dict:
     """RoutedTransport on the GPU: 2 ranks, rank 0 sends 2 samples to rank 1."""
     import torch.distributed as dist
 
@@ -55,7 +55,7 @@ def _routed(kind_env: str) -> dict:
 
 
 def test_routed_transport_uses_cuda_ipc_within_a_node(pool):
-    out = pool.run(_routed, "")
+    out = pool.run(_routed)
     assert out[1]["kind"] == "CUDA IPC"
     assert out[1]["got"] == {0: [1.0] * 8, 1: [2.0] * 8, 2: [3.0] * 8}
     assert out[0]["got"] == {}
@@ -66,7 +66,7 @@ def test_nccl_route_between_two_ranks_on_one_gpu_is_refused():
     ranks on one GPU; both ranks refuse with an error naming them (no hang)."""
     env = [{"GROUP_RANK": str(r), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"} for r in range(2)]
     with RankPool(2, rank_env=env) as ranks, pytest.raises(RankError, match="both use GPU"):
-        ranks.run(_routed, "", timeout=120)
+        ranks.run(_routed, timeout=120)
 
 
 def _hold_ipc_then_die(nbytes: int, who_dies: int) -> None:

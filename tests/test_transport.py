@@ -174,3 +174,13 @@ def check_slot_steps(out: list, dtype: str) -> None:
 def test_shared_memory_slots_are_zero_copy_and_double_buffered(dtype):
     with RankPool(2) as ranks:
         check_slot_steps(ranks.run(slot_steps, 4, dtype, "cpu"), dtype)
+
+
+def test_nccl_groups_refuse_two_ranks_on_one_gpu():
+    from megatron_xdistill.transport.hybrid import check_one_rank_per_gpu
+
+    gpus = ["host-a/GPU-0", "host-a/GPU-1", "host-b/GPU-0", "host-a/GPU-1", None, None]
+    check_one_rank_per_gpu([0, 1, 2], gpus)  # distinct GPUs (same UUID text on two hosts)
+    check_one_rank_per_gpu([4, 5], gpus)  # CPU ranks
+    with pytest.raises(ValueError, match=r"ranks 1 and 3 both use GPU host-a/GPU-1"):
+        check_one_rank_per_gpu([0, 1, 3], gpus)

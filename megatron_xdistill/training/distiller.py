@@ -54,7 +54,11 @@ from megatron_xdistill.parallel.layout import (  # noqa: E402
 )
 from megatron_xdistill.parallel.placement import Placement  # noqa: E402
 from megatron_xdistill.training import kd_adapter  # noqa: E402
-from megatron_xdistill.transport.hybrid import RoutedTransport  # noqa: E402
+from megatron_xdistill.transport.hybrid import (  # noqa: E402
+    RoutedTransport,
+    check_one_rank_per_gpu,
+    gpu_of_ranks,
+)
 from megatron_xdistill.transport.routing import (  # noqa: E402
     routing_plan,
     student_replica_of,
@@ -192,6 +196,8 @@ class Distiller:
         # None: the whole world.
         self.student_world = self.teacher_world = transfer_group = None
         if placement.disaggregated:
+            if self.device.type == "cuda":  # the transfer group is NCCL: one rank per GPU
+                check_one_rank_per_gpu(range(world), gpu_of_ranks(self.device))
             self.student_world = dist.new_group(placement.student_global_ranks())
             self.teacher_world = dist.new_group(placement.teacher_global_ranks())
             transfer_group = dist.new_group(list(range(world)))
@@ -558,6 +564,12 @@ class Distiller:
         """Wait for the payload transfers still in flight (disaggregated), e.g. before exit."""
         if self.stream is not None:
             self.stream.finish()
+
+    def close(self) -> None:
+        """Release the transport's shared buffers (shared memory, CUDA IPC); idempotent. Also
+        on errors: a rank that stops early leaves no segment or mapping behind."""
+        if self.transport is not None:
+            self.transport.close()
 
 
 def is_training_checkpoint(path: str) -> bool:

@@ -169,6 +169,7 @@ def _train(args) -> int:
         distiller.finish()
     finally:
         writer.close()
+        distiller.close()
     if args.save and (not args.save_interval or iteration % args.save_interval):
         path = distiller.save(args.save, iteration,
                               {"consumed_samples": iteration * args.global_batch_size})

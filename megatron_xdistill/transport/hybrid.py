@@ -40,6 +40,14 @@ def _gpu_id(device: torch.device) -> str | None:
     return f"{os.uname().nodename}/{torch.cuda.get_device_properties(device).uuid}"
 
 
+def gpu_of_ranks(device: torch.device | str, group: dist.ProcessGroup | None = None
+                 ) -> list[str | None]:
+    """Host and GPU UUID of every rank (None for CPU ranks). Collective."""
+    ids: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(ids, _gpu_id(torch.device(device)), group=group)
+    return ids
+
+
 def check_one_rank_per_gpu(ranks: Sequence[int], gpus: Sequence[str | None]) -> None:
     """Refuse an NCCL group in which two ranks drive the same GPU (``gpus``: one id per global
     rank, host and device UUID), naming them."""
