@@ -75,6 +75,16 @@ def _on_sigterm(_signum: int, _frame: object) -> None:
     raise _Terminated()
 
 
+def _interrupt_handler(flag: threading.Event):
+    """Ctrl-C: remember it (the launcher's wait loop checks ``flag``), then interrupt."""
+
+    def handler(_signum: int, _frame: object) -> None:
+        flag.set()
+        raise KeyboardInterrupt
+
+    return handler
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, connect to Ray, run the job; returns the exit status."""
     own, entry_args = _split(sys.argv[1:] if argv is None else argv)
@@ -87,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         import ray
 
-        from megatron_xdistill.launch.runner import LaunchError, launch
+        from megatron_xdistill.launch.runner import INTERRUPTED, LaunchError, launch
     except ImportError as exc:
         print(f"xdistill-ray: Ray is not installed ({exc}); "
               "pip install 'megatron-xdistill[ray]'", file=sys.stderr)
@@ -100,6 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         ray.init(address=args.address, log_to_driver=False, logging_level=logging.WARNING)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, _interrupt_handler(INTERRUPTED))
         return launch(config)
     except (LaunchError, ConnectionError) as exc:
         print(f"xdistill-ray: {exc}", file=sys.stderr)

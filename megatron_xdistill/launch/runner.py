@@ -252,6 +252,8 @@ class _Attempt:
         deadline = None
         self._take = self.sink.take.remote(0.5)
         while running and (deadline is None or time.monotonic() < deadline):
+            if INTERRUPTED.is_set():  # a Ctrl-C whose KeyboardInterrupt a library swallowed
+                raise KeyboardInterrupt
             ready, _ = ray.wait([self._take, *running], num_returns=1, timeout=0.5)
             for ref in ready:
                 if ref == self._take:
@@ -328,6 +330,11 @@ def _death_reason(exc: RayActorError) -> str:
     lines = text.splitlines() or [type(exc).__name__]
     line = next((x for x in lines if "dead because" in x), lines[0]).strip()
     return line.split(" Some common causes include")[0]
+
+
+#: Set by the command line's SIGINT handler, so an interrupt is acted on even when the
+#: KeyboardInterrupt it raised was caught inside a library call (checked every 0.5 s).
+INTERRUPTED = threading.Event()
 
 
 @contextlib.contextmanager
