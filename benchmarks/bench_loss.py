@@ -24,8 +24,9 @@ net of .grad as a share of the logits):
    4,096  49,152   chunk_topk   1.27        9.7%
    4,096  128,256  topk         1.18        5.9%
    4,096  128,256  chunk_topk   1.13        5.9%
-   1,024  49,152   gold         7.7        32%   (per-chunk top-8192 of the uncommon columns)
-   1,024  49,152   full        31         162%   (projects onto all of V_t: for checking)
+   4,096  49,152   gold         6.9        9.9%  (per-chunk sorted top-8192 of the uncommon
+                                                  columns; was 10.4x / 36% with larger blocks)
+   4,096  49,152   full        20.5      116%    (projects onto all of V_t: for checking)
 
 Targets (<= 1.5x CE, <= 10% of the logits) are met by both compressed forms at the issue's size
 (16k tokens; Megatron's CE makes several full passes and temporaries there). On a GPU:

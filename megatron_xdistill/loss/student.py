@@ -402,8 +402,13 @@ def parallel_kd_loss(
     vocab_start = tp_rank * v_local
     num_real = max(0, min(v_local, student_vocab_size - vocab_start))
     # Blocks of whole chunks of about block_bytes (same length on every TP rank), and at most
-    # 1/32 of the positions, so the scratch buffers stay a small share of the logits.
-    max_block = max(1, min(block_bytes // (4 * max(v_local, 1)), -(-b * t // 32)))
+    # 1/32 of the positions, so the scratch buffers stay a small share of the logits. Kernels
+    # that finish their rows per block (all of V_t, gold / H-KL) hold several [rows, V]
+    # temporaries per block: a quarter of that, and at most 1/128 of the positions.
+    per_block = payload is not None and (mode != "pkl" or payload.spec.form == "full")
+    shrink = 4 if per_block else 1
+    max_block = max(1, min(block_bytes // (4 * max(v_local, 1) * shrink),
+                           -(-b * t // (32 * shrink))))
     if labels is not None:
         labels = labels.to(dev, torch.int64).reshape(-1)
         if labels.numel() != b * t:
