@@ -31,3 +31,14 @@ def e2e_reference(e2e_setup):
     from test_e2e import reference_losses
 
     return reference_losses(*e2e_setup)
+
+
+@pytest.fixture(scope="module")
+def e2e_pool():
+    """test_e2e.WORLD ranks, started once per module that runs trainings."""
+    from test_e2e import WORLD
+
+    from megatron_xdistill.testing.multirank import RankPool
+
+    with RankPool(WORLD) as ranks:
+        yield ranks

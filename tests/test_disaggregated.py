@@ -15,7 +15,7 @@ import time
 
 import pytest
 import test_e2e
-from test_e2e import WORLD, _argv, _losses, _run_main, assert_losses_match
+from test_e2e import _argv, _losses, _run_main, assert_losses_match
 
 from megatron_xdistill.testing.multirank import RankError, RankPool
 
@@ -28,27 +28,11 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def setup(e2e_setup):
-    return e2e_setup
-
-
-@pytest.fixture(scope="module")
-def reference(e2e_reference):
-    return e2e_reference
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(WORLD) as ranks:
-        yield ranks
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_first_steps_match_colocated_reference(setup, reference, pool, name):
-    root, s_tok, t_tok = setup
-    pool.run(_run_main, _argv(root, s_tok, t_tok, name, DISAGGREGATED + LAYOUTS[name]))
-    assert_losses_match(_losses(root, name), reference, name)
+def test_first_steps_match_colocated_reference(e2e_setup, e2e_reference, e2e_pool, name):
+    root, s_tok, t_tok = e2e_setup
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, name, DISAGGREGATED + LAYOUTS[name]))
+    assert_losses_match(_losses(root, name), e2e_reference, name)
     records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
     for record in records:  # the progress line's transport figures
         assert record["payload_bytes_per_token"] > 0 and record["shipped_bytes_per_token"] > 0
@@ -59,15 +43,15 @@ def _records(root, name: str) -> list[dict]:
     return [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
 
 
-def test_resume_and_evaluation_run_on_student_ranks(setup, pool):
-    root, s_tok, t_tok = setup
+def test_resume_and_evaluation_run_on_student_ranks(e2e_setup, e2e_pool):
+    root, s_tok, t_tok = e2e_setup
     extra = DISAGGREGATED + LAYOUTS["disagg_student_tp2_teacher_tp2"] + [
         "--save-interval", "1", "--valid-data-path", str(root / "train.jsonl"),
         "--eval-interval", "2", "--eval-iters", "1"]
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "dfull", extra + ["--save", str(root / "dfull")]))
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart",
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dfull", extra + ["--save", str(root / "dfull")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart",
                               extra + ["--save", str(root / "dpart"), "--exit-interval", "1"]))
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart", extra + ["--save", str(root / "dpart")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart", extra + ["--save", str(root / "dpart")]))
     assert _losses(root, "dpart") == _losses(root, "dfull")
     evals = {name: [(r["iteration"], r["eval_ce"]) for r in _records(root, name) if "eval_ce" in r]
              for name in ("dfull", "dpart")}
@@ -112,9 +96,9 @@ def _stream(student_sleep: float, steps: int, timeout_s: float) -> dict:
     return out
 
 
-def test_stream_sends_without_waiting_and_double_buffers(pool):
+def test_stream_sends_without_waiting_and_double_buffers(e2e_pool):
     sleep, steps = 2.0, 4
-    results = pool.run(_stream, sleep, steps, 60.0)
+    results = e2e_pool.run(_stream, sleep, steps, 60.0)
     for rank in (0, 1):  # DP rank r trains samples r and r + 2
         got = results[rank]
         for step in range(steps):

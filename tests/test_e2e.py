@@ -68,11 +68,6 @@ def make_setup(root: Path) -> tuple[Path, Path, Path]:
     return root, s_tok, t_tok
 
 
-@pytest.fixture(scope="module")
-def setup(e2e_setup):
-    return e2e_setup
-
-
 def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
     return ["--load", str(root / "student"), "--teacher-load", str(root / "teacher"),
             "--tokenizer-model", str(s_tok), "--teacher-tokenizer-model", str(t_tok),
@@ -116,11 +111,6 @@ def reference_losses(root: Path, s_tok: Path, t_tok: Path) -> list[tuple[float, 
     return _losses(root, "ref")
 
 
-@pytest.fixture(scope="module")
-def reference(e2e_reference):
-    return e2e_reference
-
-
 def assert_losses_match(got: list, reference: list, name: str) -> None:
     """Every step's (kd, ce) equals the reference's (rel RTOL)."""
     assert len(got) == len(reference) == STEPS, name
@@ -129,39 +119,33 @@ def assert_losses_match(got: list, reference: list, name: str) -> None:
         assert ce == pytest.approx(ce_ref, rel=RTOL), f"{name} step {step} ce"
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(WORLD) as ranks:
-        yield ranks
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_first_steps_match_reference(setup, reference, pool, name):
-    root, s_tok, t_tok = setup
-    pool.run(_run_main, _argv(root, s_tok, t_tok, name, LAYOUTS[name]))
-    assert_losses_match(_losses(root, name), reference, name)
+def test_first_steps_match_reference(e2e_setup, e2e_reference, e2e_pool, name):
+    root, s_tok, t_tok = e2e_setup
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, name, LAYOUTS[name]))
+    assert_losses_match(_losses(root, name), e2e_reference, name)
     # The ranks live on (a pool): the run itself released its shared-memory payload slots.
     assert not glob.glob("/dev/shm/xdistill_*"), "shared memory left behind by the run"
 
 
-def test_resume_matches_uninterrupted_run(setup, pool):
-    root, s_tok, t_tok = setup
+def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
+    root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2", "--save-interval", "1"]
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(root / "full")]))
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(root / "full")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
                               extra + ["--save", str(root / "part"), "--exit-interval", "1"]))
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(root / "part")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(root / "part")]))
     assert _losses(root, "part") == _losses(root, "full")
     assert (root / "full" / "hf_files" / "config.json").is_file()  # export needs no template
 
 
-def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(setup, pool):
+def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(e2e_setup, e2e_pool):
     """--kd-weight 0 skips the teacher (not loaded, not run); the student's CE per step equals
     a run that computes the teacher and KD but weighs it by 1e-30 (below fp32 resolution)."""
-    root, s_tok, t_tok = setup
+    root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2", "--ce-weight", "1.0"]
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "ce_only", extra + ["--kd-weight", "0"]))
-    pool.run(_run_main, _argv(root, s_tok, t_tok, "kd_tiny", extra + ["--kd-weight", "1e-30"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "ce_only", extra + ["--kd-weight", "0"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "kd_tiny", extra + ["--kd-weight", "1e-30"]))
     ce_only, kd_tiny = _losses(root, "ce_only"), _losses(root, "kd_tiny")
     assert len(ce_only) == len(kd_tiny) == STEPS
     for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(ce_only, kd_tiny), 1):
@@ -174,14 +158,14 @@ def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(setup, p
 
 
 @pytest.mark.slow
-def test_ray_launcher_matches_torchrun(setup):
+def test_ray_launcher_matches_torchrun(e2e_setup):
     """xdistill-ray on a two-node local Ray cluster gives torchrun's losses (world size 4)."""
     pytest.importorskip("ray", reason="Ray is not installed")
     from ray_entry_harness import REPO, local_cluster, run_ray, run_torchrun
 
     from megatron_xdistill.launch import DEFAULT_ENTRY_POINT
 
-    root, s_tok, t_tok = setup
+    root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2"]
     ref = run_torchrun([REPO / "pretrain_xdistill.py", *_argv(root, s_tok, t_tok, "torchrun", extra)],
                        nproc=4)
