@@ -80,13 +80,10 @@ class TailRowSums:
         self.cols = torch.nonzero(off, as_tuple=True)[0]
         self.delta = rowsum.index_select(0, self.cols) - const
         self.sparse = self.cols.numel() * 8 <= rowsum.numel()
-        self._cast: dict[torch.dtype, TailRowSums] = {rowsum.dtype: self}
 
     def to(self, dtype: torch.dtype) -> TailRowSums:
         """These row sums in ``dtype`` (the loss's compute dtype)."""
-        if dtype not in self._cast:
-            self._cast[dtype] = TailRowSums(self.dense.to(dtype))
-        return self._cast[dtype]
+        return self if self.dense.dtype == dtype else TailRowSums(self.dense.to(dtype))
 
     def mass(self, probs: torch.Tensor) -> torch.Tensor:
         """p.r per row of ``probs`` [n, V_real] (each row a softmax over the shard)."""
@@ -191,7 +188,7 @@ class ColumnsKernel:
         # dKL/dp = entries (+ g_total * rowsum); dKL/dx = p * (dKL/dp - <p, dKL/dp>)
         base = blk.factor * (coef - inv_t * dot)
         if self.tail:
-            self.row_sums.to(out.dtype).scale_(out, base, blk.factor * inv_t * g_total)
+            self.row_sums.scale_(out, base, blk.factor * inv_t * g_total)
         else:
             out.mul_(base[:, None])
         out_flat.index_add_(0, lin, contrib.mul_(inv_t))

@@ -20,7 +20,7 @@ import torch
 from .chunks import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
 from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
-from .modes import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw, TailRowSums
+from .modes import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 from .workspace import scratch
@@ -55,14 +55,13 @@ class _Plan:
 
     def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
                  temperature: float, labels: torch.Tensor | None, tp_group: Group,
-                 cp_group: Group, max_block: int, tail: TailRowSums | None) -> None:
+                 cp_group: Group, max_block: int) -> None:
         self.rows, self.kernel = rows, kernel
         self.num_real, self.vocab_start = num_real, vocab_start
         self.temp = float(temperature)
         self.labels = labels
         self.tp_group, self.cp_group = tp_group, cp_group
         self.max_block = max_block
-        self.tail = tail  # tail bucket: W's row sums on the real local rows
         self.dtype = torch.float32  # compute dtype (float64 for float64 logits, e.g. gradcheck)
         self.split_raw: Raw | None = None
 
@@ -118,8 +117,11 @@ class _Plan:
         n_pos = logits2d.shape[0]
         dev = logits.device
         self.dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        # The tail bucket (chunk top-k): W's row sums on the real local rows, in the compute
+        # dtype for the forward here and the kernel's backward.
+        self.tail = getattr(kernel, "row_sums", None)
         if self.tail is not None:
-            self.tail = self.tail.to(self.dtype)
+            self.tail = kernel.row_sums = self.tail.to(self.dtype)
         opts = {"device": dev, "dtype": self.dtype}
         self.logz, self.lz_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
         if self._ce_extra:
@@ -414,20 +416,18 @@ def parallel_kd_loss(
         if labels.numel() != b * t:
             raise ValueError("labels must be [B, T_local] like the logits")
 
-    tail = None
     if payload is None:
         rows = build_chunk_rows(torch.full((b, t), -1, dtype=torch.int64), 0, None, None,
                                 max_block)
         kernel = None
     else:
-        kernel, rows, tail = _kernel(
+        kernel, rows = _kernel(
             payload, student_chunk_id, chunk_valid, chunk_exact, projection, mode, reverse,
             exact_only, common_student_ids, uncommon_topk, student_vocab_size, vocab_start,
             v_local, num_real, tp_group, cp_group, max_block, dev)
     plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
-                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows),
-                 tail=tail)
+                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows))
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
     return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
@@ -458,7 +458,6 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
     if exact_only:
         include &= chunk_exact.bool().cpu()
     rows = build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
-    tail = None
     if mode == "pkl":
         shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
             projection[0], projection[1], vocab_start, _teacher_vocab(payload, projection))
@@ -469,7 +468,6 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
             kernel = DenseKernel(payload, shard, num_real, reverse, tp_group)
         else:
             kernel = ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), reverse, tp_group)
-            tail = kernel.row_sums
     else:
         if common_student_ids is None:
             raise ValueError(f"mode {mode!r} needs common_student_ids "
@@ -480,7 +478,7 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
                              f"{payload.spec.width} common columns")
         n_unc = max(0, min(payload.spec.uncommon, vs - common.numel(), uncommon_topk))
         kernel = GoldKernel(payload, common, vocab_start, num_real, n_unc, reverse, tp_group)
-    return kernel, rows, tail
+    return kernel, rows
 
 
 def _teacher_vocab(payload: TeacherPayload, projection) -> int:

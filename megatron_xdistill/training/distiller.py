@@ -234,14 +234,13 @@ class Distiller:
                                    self.student_layout, self.teacher_layout,
                                    placement.student_offset, placement.teacher_offset)
         self.transport = self.stream = None
-        device = self.device
         if placement.disaggregated:
             self.stream = StreamingTransport(
                 self.routes, numel=self.kd.payload_numel, group=transfer_group,
-                timeout_s=60.0 * args.distributed_timeout_minutes, device=device)
-        else:
+                timeout_s=60.0 * args.distributed_timeout_minutes, device=self.device)
+        elif not self.ce_only:  # CE alone routes nothing
             self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
-                                             device=device)
+                                             device=self.device)
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
         self.shipped_bytes_per_step = 0 if self.ce_only else self.kd.spec.nbytes * sum(
             1 for r in self.routes if r.src != r.dst)
@@ -307,10 +306,13 @@ class Distiller:
         return model, config
 
     # ------------------------------------------------------------------ step pieces
-    def _positions(self, batch_rows: int, seq: int, groups: ModelParallelGroups) -> torch.Tensor:
-        layout = groups.layout
-        return slice_for_cp_rank(torch.arange(seq).expand(batch_rows, seq), 1,
-                                 groups.coords["cp"], layout.cp)
+    def _model_inputs(self, tokens: torch.Tensor, groups: ModelParallelGroups
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This CP rank's slice of ``tokens`` [b, s] and of their positions, on the device."""
+        cp, cp_rank = groups.layout.cp, groups.coords["cp"]
+        positions = torch.arange(tokens.size(1)).expand(tokens.size(0), -1)
+        return (slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device),
+                slice_for_cp_rank(positions, 1, cp_rank, cp).to(self.device))
 
     def _teacher_forward(self, samples: dict[int, dict]) -> dict[int, torch.Tensor]:
         """Teacher forward on this rank's teacher block; flat payload rows by sample (last
@@ -320,7 +322,7 @@ class Distiller:
                                self.placement.teacher_offset)
         micro = [mine[i : i + self.teacher_mbs] for i in range(0, len(mine), self.teacher_mbs)]
         batches = [collate_samples([samples[i] for i in ids]) for ids in micro]
-        cp, cp_rank = self.teacher_layout.cp, groups.coords["cp"]
+        cp = self.teacher_layout.cp
         rows: list[torch.Tensor] = []
 
         def payload_func(batch, logits):
@@ -330,8 +332,7 @@ class Distiller:
         def forward_step(data_iterator, module):
             batch = next(data_iterator)
             tokens = batch["teacher_tokens"][:, :-1]
-            local = slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device)
-            pos = self._positions(tokens.size(0), tokens.size(1), groups).to(self.device)
+            local, pos = self._model_inputs(tokens, groups)
             return module(local, pos, None), partial(payload_func, batch)
 
         with torch.no_grad():
@@ -445,15 +446,14 @@ class Distiller:
         n_chunks, n_tokens = self._global_counts(samples)
         batches = self._student_microbatches(samples, payloads)
         groups = self.student_groups
-        cp, cp_rank = self.student_layout.cp, groups.coords["cp"]
+        cp = self.student_layout.cp
         self.student.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def forward_step(data_iterator, module):
             batch = next(data_iterator)
             tokens = batch["tokens"][:, :-1]
-            local = slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device)
-            pos = self._positions(tokens.size(0), tokens.size(1), groups).to(self.device)
+            local, pos = self._model_inputs(tokens, groups)
             logits = module(local, pos, None)
             return logits, partial(self._student_loss, batch, n_chunks, n_tokens)
 
@@ -509,8 +509,7 @@ class Distiller:
             def forward_step(it, module, batch=batch):
                 b = next(it)
                 tokens = b["tokens"][:, :-1]
-                local = slice_for_cp_rank(tokens, 1, cp_rank, cp).to(self.device)
-                pos = self._positions(tokens.size(0), tokens.size(1), groups).to(self.device)
+                local, pos = self._model_inputs(tokens, groups)
                 return module(local, pos, None), partial(loss_func, b)
 
             with torch.no_grad():

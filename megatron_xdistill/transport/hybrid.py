@@ -23,14 +23,11 @@ from megatron_xdistill.transport.shm import SharedMemoryTransport
 from megatron_xdistill.transport.slots import SlotTransport
 
 
-def _node_env() -> int:
-    return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
-
-
 def node_of_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
     """Node index of every rank (torchrun's ``GROUP_RANK``; 0 without torchrun). Collective."""
+    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     nodes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(nodes, _node_env(), group=group)
+    dist.all_gather_object(nodes, node, group=group)
     return [int(n) for n in nodes]
 
 
@@ -81,10 +78,7 @@ class RoutedTransport:
         self.device = torch.device(device)
         gpu = self.device.type == "cuda"
         control = dist.new_group(backend="gloo") if gpu else None  # host-side signals
-        places: list = [None] * dist.get_world_size()
-        dist.all_gather_object(places, (_node_env(), _gpu_id(self.device)), group=control)
-        nodes = list(nodes) if nodes is not None else [int(p[0]) for p in places]
-        gpus = [p[1] for p in places]
+        nodes = list(nodes) if nodes is not None else node_of_ranks(control)
 
         same_node = [r for r in routes if r.src != r.dst and nodes[r.src] == nodes[r.dst]]
         if not use_shared_memory:
@@ -105,7 +99,7 @@ class RoutedTransport:
         p2p_group = None
         members = sorted({r.src for r in self.remote} | {r.dst for r in self.remote})
         if gpu and members:
-            check_one_rank_per_gpu(members, gpus)
+            check_one_rank_per_gpu(members, gpu_of_ranks(self.device, control))
             p2p_group = dist.new_group(members, backend="nccl")
         self.p2p = P2PTransport(self.remote, group=p2p_group, device=self.device)
         self.bytes_moved = 0
