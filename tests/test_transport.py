@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -140,6 +142,10 @@ def slot_steps(steps: int, dtype_name: str, device: str = "cuda") -> dict:
         from megatron_xdistill.transport.shm import SharedMemoryTransport
 
         transport = SharedMemoryTransport(routes, numel, dtype)
+    # Once every receiver has mapped it, a segment's name is gone (nothing for a killed rank
+    # to leave in /dev/shm) while the mappings keep working.
+    named = [s.name for s in getattr(transport.memory, "_own", [])
+             if os.path.exists(f"/dev/shm/{s.name.lstrip('/')}")]
     seen, intact, zero_copy = [], [], []
     previous: dict = {}
     for step in range(steps):
@@ -157,7 +163,7 @@ def slot_steps(steps: int, dtype_name: str, device: str = "cuda") -> dict:
             seen.append({s: (v[0].item(), v[-1].item(), str(v.dtype)) for s, v in got.items()})
         previous = got
     transport.close()
-    return {"seen": seen, "intact": intact, "zero_copy": zero_copy}
+    return {"seen": seen, "intact": intact, "zero_copy": zero_copy, "named": named}
 
 
 def check_slot_steps(out: list, dtype: str) -> None:
@@ -168,6 +174,7 @@ def check_slot_steps(out: list, dtype: str) -> None:
                        for s in range(3)}, f"step {step}"
     assert all(receiver["zero_copy"]), "receivers must read the sender's buffer (zero-copy)"
     assert all(receiver["intact"]), "a view changed before the receiver's next exchange"
+    assert out[0]["named"] == [], "a mapped segment kept its name in /dev/shm"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

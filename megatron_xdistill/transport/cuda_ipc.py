@@ -50,6 +50,9 @@ class CudaIpcSlots:
         with torch.cuda.device(self.device):
             return rebuild(*args)
 
+    def sealed(self) -> None:
+        """IPC handles name no file: nothing to drop."""
+
     def settle(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
 

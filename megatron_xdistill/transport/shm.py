@@ -1,8 +1,9 @@
 """Same-node transport through POSIX shared memory: the CPU counterpart of CUDA IPC.
 
 :class:`SharedMemoryTransport` is the slot transport of :mod:`.slots` over shared-memory segments.
-Segments are unlinked on :meth:`~.slots.SlotTransport.close`, at interpreter exit, and when the
-memory object is collected, so a failing rank leaks no shared memory.
+A segment's name is unlinked as soon as every receiver has mapped it (the mappings stay valid), so
+nothing is left under ``/dev/shm`` even when a rank is killed outright; the memory goes back to
+the system when the last mapping does (at :meth:`~.slots.SlotTransport.close` or process exit).
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ def _release(own: list[shared_memory.SharedMemory],
             shm.close()
         except Exception:  # noqa: BLE001 - best effort at teardown (views may still exist)
             pass
+    _unlink(own)
+
+
+def _unlink(own: list[shared_memory.SharedMemory]) -> None:
     for shm in own:
         try:
             shm.unlink()
-        except FileNotFoundError:
+        except FileNotFoundError:  # already unlinked (sealed, or released before)
             pass
 
 
@@ -76,6 +81,10 @@ class SharedMemorySlots:
         shm = _attach(handle)
         self._attached.append(shm)
         return torch.frombuffer(shm.buf, dtype=torch.uint8)
+
+    def sealed(self) -> None:
+        """Every receiver has mapped our segments: drop their names (see the module docstring)."""
+        _unlink(self._own)
 
     def settle(self) -> None:
         """CPU copies are synchronous: nothing is queued."""

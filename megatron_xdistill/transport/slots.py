@@ -10,8 +10,9 @@ of the previous one), so a slot is never rewritten while it is read. Receivers m
 buffers once and read only their own rows.
 
 A :class:`SlotMemory` supplies the memory: ``create`` a buffer and a picklable handle for it,
-``open`` a handle another rank published, ``settle`` queued device work, ``deliver`` a view to
-this rank's device, ``release`` everything at close.
+``open`` a handle another rank published, ``sealed`` once every receiver has opened its
+senders' buffers (a named buffer can drop its name then), ``settle`` queued device work,
+``deliver`` a view to this rank's device, ``release`` everything at close.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class SlotMemory(Protocol):
     def create(self, nbytes: int) -> tuple[torch.Tensor, Any]: ...
 
     def open(self, handle: Any) -> torch.Tensor: ...
+
+    def sealed(self) -> None: ...
 
     def settle(self) -> None: ...
 
@@ -80,6 +83,8 @@ class SlotTransport:
         dist.all_gather_object(handles, handle, group=group)
         senders = sorted({r.src for r in self.routes if r.dst == self.rank})
         self._buffers = {s: memory.open(handles[group_ranks.index(s)]) for s in senders}
+        dist.barrier(group=group)  # every receiver holds its mappings: handles are spent
+        memory.sealed()
 
     def _view(self, buffer: torch.Tensor, slot: int) -> torch.Tensor:
         start = slot * self._slot_bytes
