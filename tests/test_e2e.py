@@ -140,11 +140,15 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
 
 
 def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(e2e_setup, e2e_pool):
-    """--kd-weight 0 skips the teacher (not loaded, not run); the student's CE per step equals
-    a run that computes the teacher and KD but weighs it by 1e-30 (below fp32 resolution)."""
+    """--kd-weight 0 skips the teacher (not loaded, not run) and needs no projection; the
+    student's CE per step equals a run that computes the teacher and KD but weighs it by 1e-30
+    (below fp32 resolution)."""
     root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2", "--ce-weight", "1.0"]
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "ce_only", extra + ["--kd-weight", "0"]))
+    argv = _argv(root, s_tok, t_tok, "ce_only", extra + ["--kd-weight", "0"])
+    at = argv.index("--projection-path")
+    del argv[at: at + 2]
+    e2e_pool.run(_run_main, argv)
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "kd_tiny", extra + ["--kd-weight", "1e-30"]))
     ce_only, kd_tiny = _losses(root, "ce_only"), _losses(root, "kd_tiny")
     assert len(ce_only) == len(kd_tiny) == STEPS
@@ -154,7 +158,7 @@ def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(e2e_setu
     records = [json.loads(x) for x in (root / "ce_only.jsonl").read_text().splitlines()]
     steps = [r for r in records if "kd" in r]
     assert steps and all(r["shipped_bytes_per_token"] == 0 and r["time_teacher"] == 0
-                         for r in steps)
+                         and r["payload_bytes_per_token"] == 0 for r in steps)
 
 
 @pytest.mark.slow

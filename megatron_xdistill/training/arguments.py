@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher-tokenizer-model", required=True,
                    help="teacher HF tokenizer directory")
     g.add_argument("--projection-path", default=None,
-                   help="projection file (xdistill-projection build); built on the fly if omitted")
+                   help="projection file (xdistill-projection build); built on the fly if omitted, "
+                        "not used with --kd-weight 0 (CE alone)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", required=True,

@@ -189,7 +189,7 @@ class Distiller:
         self.has_student = placement.is_student(self.rank)
         # --kd-weight 0 (without dynamic scaling) trains on CE alone: the teacher's output
         # would be multiplied by 0, so it is neither loaded nor run.
-        self.ce_only = args.kd_weight == 0 and not args.kd_dynamic_scaling
+        self.ce_only = kd_adapter.trains_ce_only(args)
         self.has_teacher = placement.is_teacher(self.rank) and not self.ce_only
         # Disaggregated: each side's own "world" (checkpoint loads; the student's metrics and
         # evaluation) and a group that carries only the teacher -> student payloads.

@@ -33,6 +33,12 @@ def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
 
 
+def trains_ce_only(args) -> bool:
+    """``--kd-weight 0`` without dynamic scaling: the teacher's term would be multiplied by 0, so
+    the run trains on CE alone and needs no teacher, payload or projection."""
+    return args.kd_weight == 0 and not args.kd_dynamic_scaling
+
+
 def load_or_build_projection(args, log=print):
     """The projection of ``--projection-path`` (hashes checked against both tokenizers), or one
     built now from the tokenizers when no path is given."""
@@ -55,9 +61,11 @@ class KDLoss:
         self.student, self.teacher = student, teacher
         self.student_vocab = student_info.vocab_size
         self.teacher_vocab = teacher_info.vocab_size
-        matrix = load_or_build_projection(args, log)
-        if matrix.student_vocab_size > self.student_vocab or \
-                matrix.teacher_vocab_size > self.teacher_vocab:
+        # CE alone (--kd-weight 0) never projects anything: W is neither loaded nor built.
+        self.ce_only = trains_ce_only(args)
+        matrix = None if self.ce_only else load_or_build_projection(args, log)
+        if matrix is not None and (matrix.student_vocab_size > self.student_vocab
+                                   or matrix.teacher_vocab_size > self.teacher_vocab):
             raise ValueError(
                 f"projection is {matrix.student_vocab_size} x {matrix.teacher_vocab_size} but the "
                 f"models' vocabularies are {self.student_vocab} (student) and {self.teacher_vocab} "
@@ -65,16 +73,16 @@ class KDLoss:
         self.mode = args.kd_loss
         self.form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
         common_student = common_teacher = None
-        if self.form == "gold":
+        if self.form == "gold" and matrix is not None:
             rule = "strict" if args.kd_loss == "gold" else "xtoken"
             common_student, common_teacher = matrix.common_vocab(rule)
         self.common_student, self.common_teacher = common_student, common_teacher
         self.num_chunks = args.seq_length + 1  # chunk slots: collate_samples' upper bound
-        self.spec = payload_spec(
+        self.spec = None if self.ce_only else payload_spec(
             self.form, self.num_chunks, self.teacher_vocab, topk=args.kd_topk or None,
             num_common=None if common_teacher is None else len(common_teacher))
         self.shard = None  # the student side's projection rows (none on teacher-only ranks)
-        if student.member:
+        if student.member and matrix is not None:
             padded = student_info.padded_vocab_size(student.layout.tp)
             local = padded // student.layout.tp
             start = student.coords["tp"] * local
@@ -83,11 +91,11 @@ class KDLoss:
 
     @property
     def payload_numel(self) -> int:
-        return self.spec.numel
+        return 0 if self.spec is None else self.spec.numel
 
     @property
     def payload_bytes_per_token(self) -> float:
-        return self.spec.bytes_per_token(self.args.seq_length)
+        return 0.0 if self.spec is None else self.spec.bytes_per_token(self.args.seq_length)
 
     # ---------------------------------------------------------------- teacher side
     def teacher_payload(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
