@@ -407,8 +407,8 @@ def parallel_kd_loss(
     # 1/32 of the positions, so the scratch buffers stay a small share of the logits. Kernels
     # that finish their rows per block (all of V_t, gold / H-KL) hold several [rows, V]
     # temporaries per block: a quarter of that, and at most 1/128 of the positions.
-    per_block = payload is not None and (mode != "pkl" or payload.spec.form == "full")
-    shrink = 4 if per_block else 1
+    kernel_class = _NoKernel if payload is None else _kernel_class(mode, payload.spec.form)
+    shrink = 4 if kernel_class.per_block else 1
     max_block = max(1, min(block_bytes // (4 * max(v_local, 1) * shrink),
                            -(-b * t // (32 * shrink))))
     if labels is not None:
@@ -424,7 +424,7 @@ def parallel_kd_loss(
         kernel, rows = _kernel(
             payload, student_chunk_id, chunk_valid, chunk_exact, projection, mode, reverse,
             exact_only, common_student_ids, uncommon_topk, student_vocab_size, vocab_start,
-            v_local, num_real, tp_group, cp_group, max_block, dev)
+            v_local, num_real, tp_group, cp_group, max_block, dev, kernel_class)
     plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows))
@@ -443,12 +443,19 @@ def _longest(rows: ChunkRows) -> int:
     return max((blk.end - blk.start for blk in rows.blocks), default=0)
 
 
-def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, reverse, exact_only,
-            common_student_ids, uncommon_topk, vs, vocab_start, v_local, num_real, tp_group,
-            cp_group, max_block, dev):
-    form = payload.spec.form
+def _kernel_class(mode: str, form: str) -> type:
+    """The kernel for a loss mode and a teacher payload form (P-KL: all of V_t or columns;
+    gold / H-KL: common + uncommon)."""
     if (mode == "pkl") == (form == "gold"):
         raise ValueError(f"mode {mode!r} cannot use a {form!r} teacher payload")
+    if mode != "pkl":
+        return GoldKernel
+    return DenseKernel if form == "full" else ColumnsKernel
+
+
+def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, reverse, exact_only,
+            common_student_ids, uncommon_topk, vs, vocab_start, v_local, num_real, tp_group,
+            cp_group, max_block, dev, kernel_class):
     b = chunk_id.shape[0]
     if payload.batch_size != b or chunk_valid.shape != (b, payload.spec.num_chunks):
         raise ValueError(
@@ -464,7 +471,7 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
         if shard.num_rows != v_local:
             raise ValueError(f"projection shard has {shard.num_rows} rows, logits {v_local}")
         shard = shard.to(dev)
-        if form == "full":
+        if kernel_class is DenseKernel:
             kernel = DenseKernel(payload, shard, num_real, reverse, tp_group)
         else:
             kernel = ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), reverse, tp_group)
