@@ -94,8 +94,11 @@ LAYOUTS = {
     "student_tp2": ["--tensor-model-parallel-size", "2"],
     "student_pp2_teacher_tp2": ["--pipeline-model-parallel-size", "2",
                                 "--teacher-tensor-model-parallel-size", "2"],
-    "student_cp2_teacher_pp2": ["--context-parallel-size", "2",
-                                "--teacher-pipeline-model-parallel-size", "2"],
+    # CP x PP on both sides: pipeline messages carry this CP rank's part of the sequence.
+    "student_cp2_pp2_teacher_cp2_pp2": ["--context-parallel-size", "2",
+                                        "--pipeline-model-parallel-size", "2",
+                                        "--teacher-context-parallel-size", "2",
+                                        "--teacher-pipeline-model-parallel-size", "2"],
     "student_tp2_teacher_pp2": ["--tensor-model-parallel-size", "2",
                                 "--teacher-pipeline-model-parallel-size", "2"],
     "student_pp2_dp2_distopt_teacher_tp2": ["--pipeline-model-parallel-size", "2",

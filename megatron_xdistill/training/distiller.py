@@ -322,7 +322,6 @@ class Distiller:
                                self.placement.teacher_offset)
         micro = [mine[i : i + self.teacher_mbs] for i in range(0, len(mine), self.teacher_mbs)]
         batches = [collate_samples([samples[i] for i in ids]) for ids in micro]
-        cp = self.teacher_layout.cp
         rows: list[torch.Tensor] = []
 
         def payload_func(batch, logits):
@@ -339,7 +338,7 @@ class Distiller:
             get_forward_backward_func(pp_size=self.teacher_layout.pp)(
                 forward_step_func=forward_step, data_iterator=iter(batches),
                 model=[self.teacher], num_microbatches=len(batches),
-                seq_length=self.args.teacher_seq_length // cp,
+                seq_length=self.args.teacher_seq_length,  # the schedule divides by CP
                 micro_batch_size=self.teacher_mbs, forward_only=True,
                 p2p_communicator=P2PCommunicator(pp_group=groups.pg_collection.pp,
                                                  config=self.teacher_config),
@@ -446,7 +445,6 @@ class Distiller:
         n_chunks, n_tokens = self._global_counts(samples)
         batches = self._student_microbatches(samples, payloads)
         groups = self.student_groups
-        cp = self.student_layout.cp
         self.student.zero_grad_buffer()
         self.optimizer.zero_grad()
 
@@ -459,7 +457,7 @@ class Distiller:
 
         reduced = get_forward_backward_func(pp_size=self.student_layout.pp)(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.student],
-            num_microbatches=len(batches), seq_length=self.args.seq_length // cp,
+            num_microbatches=len(batches), seq_length=self.args.seq_length,
             micro_batch_size=self.mbs, forward_only=False,
             p2p_communicator=P2PCommunicator(pp_group=groups.pg_collection.pp,
                                              config=self.student_config),
@@ -496,7 +494,7 @@ class Distiller:
         if not self.has_student:
             return {}
         groups = self.student_groups
-        cp, cp_rank = self.student_layout.cp, groups.coords["cp"]
+        cp_rank = groups.coords["cp"]
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
         self.student.eval()
         for batch in batches:
@@ -516,7 +514,7 @@ class Distiller:
                 reduced = get_forward_backward_func(pp_size=self.student_layout.pp)(
                     forward_step_func=forward_step, data_iterator=iter([batch]),
                     model=[self.student], num_microbatches=1,
-                    seq_length=self.args.seq_length // cp, micro_batch_size=batch["tokens"].size(0),
+                    seq_length=self.args.seq_length, micro_batch_size=batch["tokens"].size(0),
                     forward_only=True,
                     p2p_communicator=P2PCommunicator(pp_group=groups.pg_collection.pp,
                                                      config=self.student_config),
