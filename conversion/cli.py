@@ -2,9 +2,9 @@
 
     xdistill-convert hf-to-mcore --hf-dir DIR --out CKPT [--tp N --pp M] [--dtype bf16|fp32]
     xdistill-convert mcore-to-hf --load CKPT --out DIR [--hf-template DIR] [--dtype bf16|fp32]
-    xdistill-convert verify --hf-dir DIR --load CKPT [--tp N --pp M]
+    xdistill-convert verify --hf-dir DIR --load CKPT [--tp N --pp M --cp C]
 
-hf-to-mcore and verify run TP x PP CPU ranks (spawned here, or the world of ``torchrun``).
+hf-to-mcore runs TP x PP and verify TP x CP x PP CPU ranks (spawned here, or the world of ``torchrun``).
 Exit status: 0 ok, 1 verification above tolerance or a rank failed, 2 bad input.
 """
 
@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--load", required=True)
     ver.add_argument("--tp", type=int, default=1)
     ver.add_argument("--pp", type=int, default=1)
+    ver.add_argument("--cp", type=int, default=1,
+                     help="context-parallel ranks (--seq-length a multiple of 2 x CP)")
     ver.add_argument("--batch", type=int, default=2)
     ver.add_argument("--seq-length", type=int, default=64)
     ver.add_argument("--seed", type=int, default=0)
@@ -86,12 +88,12 @@ def _verify(args) -> int:
     from conversion.launch import log, run_distributed
     from conversion.verify import verify_conversion
 
-    metrics = run_distributed(verify_conversion, args.tp * args.pp, args.hf_dir, args.load,
-                              args.tp, args.pp, args.batch, args.seq_length, args.seed,
-                              not args.random_tokens)
+    metrics = run_distributed(verify_conversion, args.tp * args.cp * args.pp, args.hf_dir,
+                              args.load, args.tp, args.pp, args.batch, args.seq_length, args.seed,
+                              not args.random_tokens, args.cp)
     ok = metrics["max_rel_diff"] <= args.max_rel_diff
     metrics["passed"] = ok
-    log(f"TP={args.tp} PP={args.pp}, {args.batch}x{args.seq_length} tokens: "
+    log(f"TP={args.tp} CP={args.cp} PP={args.pp}, {args.batch}x{args.seq_length} tokens: "
         f"max abs diff {metrics['max_abs_diff']:.3e}, max rel diff {metrics['max_rel_diff']:.3e} "
         f"(max |logit| {metrics['max_abs_logit']:.2f}), mean abs diff "
         f"{metrics['mean_abs_diff']:.3e}, top-1 agreement {metrics['top1_agreement']:.4f} -> "

@@ -1,4 +1,6 @@
-"""HF <-> Megatron weight mapping for dense Llama-style models (Llama, Mistral, Qwen2, Qwen3).
+"""HF <-> Megatron weight mapping for dense Llama-style models (Llama, Mistral, Qwen2, Qwen3) and
+Gemma 3 (its norms after attention and after the MLP live in the output projections, see
+``megatron_xdistill.models.gemma3``; its pre-MLP norm is HF's ``pre_feedforward_layernorm``).
 
 Every Megatron parameter has a *role*; a role knows its HF tensors, how to join them into the
 unsharded Megatron tensor (TP=1) and back, and how TP splits it:
@@ -38,10 +40,12 @@ _LAYER_ROLES = {
     "self_attention.q_layernorm.weight": "q_norm",
     "self_attention.k_layernorm.weight": "k_norm",
     "self_attention.linear_proj.weight": "proj",
+    "self_attention.linear_proj.post_layernorm.weight": "attn_post_norm",
     "pre_mlp_layernorm.weight": "mlp_norm",
     "mlp.linear_fc1.layer_norm_weight": "mlp_norm",
     "mlp.linear_fc1.weight": "fc1",
     "mlp.linear_fc2.weight": "fc2",
+    "mlp.linear_fc2.post_layernorm.weight": "mlp_post_norm",
 }
 _GLOBAL_ROLES = {
     "embedding.word_embeddings.weight": "embedding",
@@ -51,13 +55,13 @@ _GLOBAL_ROLES = {
 #: role -> TP split: dim to split, "glu" for [gate; up], None for replicated.
 _TP_SPLIT: dict[str, int | str | None] = {
     "embedding": 0, "output": 0, "final_norm": None, "input_norm": None, "qkv": 0,
-    "qkv_bias": 0, "q_norm": None, "k_norm": None, "proj": 1, "mlp_norm": None, "fc1": "glu",
-    "fc2": 1,
+    "qkv_bias": 0, "q_norm": None, "k_norm": None, "proj": 1, "attn_post_norm": None,
+    "mlp_norm": None, "fc1": "glu", "fc2": 1, "mlp_post_norm": None,
 }
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 #: Layer roles in HF file order.
-_LAYER_ORDER = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "proj", "mlp_norm", "fc1",
-                "fc2")
+_LAYER_ORDER = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "proj", "attn_post_norm",
+                "mlp_norm", "fc1", "fc2", "mlp_post_norm")
 
 
 def layer_roles(info: ModelInfo) -> list[str]:
@@ -67,6 +71,8 @@ def layer_roles(info: ModelInfo) -> list[str]:
         if role == "qkv_bias" and not info.add_qkv_bias:
             continue
         if role in ("q_norm", "k_norm") and not info.qk_layernorm:
+            continue
+        if role in ("attn_post_norm", "mlp_post_norm") and not info.gemma_norms:
             continue
         roles.append(role)
     return roles
@@ -85,9 +91,12 @@ def hf_names(role: str, layer: int | None, info: ModelInfo) -> list[str]:
         "q_norm": [p + "self_attn.q_norm.weight"],
         "k_norm": [p + "self_attn.k_norm.weight"],
         "proj": [p + "self_attn.o_proj.weight"],
-        "mlp_norm": [p + "post_attention_layernorm.weight"],
+        "attn_post_norm": [p + "post_attention_layernorm.weight"],
+        "mlp_norm": [p + ("pre_feedforward_layernorm.weight" if info.gemma_norms
+                          else "post_attention_layernorm.weight")],
         "fc1": [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
         "fc2": [p + "mlp.down_proj.weight"],
+        "mlp_post_norm": [p + "post_feedforward_layernorm.weight"],
     }[role]
 
 
@@ -97,8 +106,8 @@ def expected_hf_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
     q, kv = info.num_attention_heads * d, info.num_query_groups * d
     shapes = {
         "input_norm": [(h,)], "qkv": [(q, h), (kv, h), (kv, h)], "qkv_bias": [(q,), (kv,), (kv,)],
-        "q_norm": [(d,)], "k_norm": [(d,)], "proj": [(h, q)], "mlp_norm": [(h,)],
-        "fc1": [(f, h), (f, h)], "fc2": [(h, f)],
+        "q_norm": [(d,)], "k_norm": [(d,)], "proj": [(h, q)], "attn_post_norm": [(h,)],
+        "mlp_norm": [(h,)], "fc1": [(f, h), (f, h)], "fc2": [(h, f)], "mlp_post_norm": [(h,)],
     }
     out = {EMBED: (info.vocab_size, h)}
     for layer in range(info.num_layers):

@@ -53,6 +53,14 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # Qwen3: QK RMSNorm, head_dim != hidden / heads, tied, stored in bf16.
     "qwen3": TinyFamily("Qwen3Config", "Qwen3ForCausalLM", 151936, "qwen2",
                         dict(tie_word_embeddings=True, head_dim=32), dtype=torch.bfloat16),
+    # Gemma 3: sliding and full layers alternate (each PP=2 stage has both), the full layers'
+    # RoPE linearly scaled (as in Gemma 3 4B+), a softmax scale other than 1/sqrt(head_dim).
+    "gemma3": TinyFamily("Gemma3TextConfig", "Gemma3ForCausalLM", 262144, "gemma3", dict(
+        tie_word_embeddings=True, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 

@@ -1,8 +1,9 @@
 """Run the HF model and the converted Megatron model on the same tokens and compare logits.
 
-The Megatron model runs at the requested TP x PP layout (fp32, torch-native spec, on the CPU)
-through Megatron's own forward-only pipeline schedule; its vocab-parallel logits are gathered
-over TP and the padded columns dropped. Reported: max abs difference, max relative difference
+The Megatron model runs at the requested TP x CP x PP layout (fp32, torch-native spec, on the
+CPU) through Megatron's own forward-only pipeline schedule; with CP each rank runs its part of
+the sequence (Megatron's load-balanced 2*CP order). Its vocab-parallel logits are gathered over TP
+(and CP) and the padded columns dropped. Reported: max abs difference, max relative difference
 (max abs difference over the largest |HF logit|), mean abs difference and top-1 agreement.
 """
 
@@ -53,12 +54,21 @@ def sample_tokens(hf_dir: str, info: ModelInfo, batch: int, seq_length: int,
 
 
 def megatron_logits(model, tokens: torch.Tensor, config, pg_collection) -> torch.Tensor | None:
-    """Logits [b, s, padded vocab] on the last pipeline stage (gathered over TP), else None."""
+    """Logits [b, s, padded vocab] of the full ``tokens`` on the last pipeline stage (gathered
+    over TP and CP), else None."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-    batch, seq = tokens.shape
-    positions = torch.arange(seq).expand(batch, seq)
+    from megatron_xdistill.parallel.context_parallel import (
+        restore_from_cp_parts,
+        slice_for_cp_rank,
+    )
+
+    cp = pg_collection.cp
+    cp_size, cp_rank = cp.size(), cp.rank()
+    batch, full = tokens.shape
+    tokens = slice_for_cp_rank(tokens, 1, cp_rank, cp_size)
+    positions = slice_for_cp_rank(torch.arange(full).expand(batch, full), 1, cp_rank, cp_size)
 
     def forward_step(data_iterator, module):
         output = module(next(data_iterator), positions, None)
@@ -69,7 +79,7 @@ def megatron_logits(model, tokens: torch.Tensor, config, pg_collection) -> torch
     with torch.no_grad():
         outputs = get_forward_backward_func(pp_size=pp.size())(
             forward_step_func=forward_step, data_iterator=iter([tokens]), model=[model],
-            num_microbatches=1, seq_length=seq, micro_batch_size=batch, forward_only=True,
+            num_microbatches=1, seq_length=full, micro_batch_size=batch, forward_only=True,
             collect_non_loss_data=True,
             p2p_communicator=P2PCommunicator(pp_group=pp, config=config),
             pg_collection=pg_collection,
@@ -80,7 +90,12 @@ def megatron_logits(model, tokens: torch.Tensor, config, pg_collection) -> torch
     tp = pg_collection.tp
     parts = [torch.empty_like(local) for _ in range(tp.size())]
     dist.all_gather(parts, local.contiguous(), group=tp)
-    return torch.cat(parts, dim=-1)
+    logits = torch.cat(parts, dim=-1)
+    if cp_size == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(cp_size)]
+    dist.all_gather(parts, logits, group=cp)
+    return restore_from_cp_parts(parts, 1)
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
@@ -105,8 +120,10 @@ def compare_logits(reference: torch.Tensor, actual: torch.Tensor) -> dict[str, f
 
 
 def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: int = 2,
-                      seq_length: int = 64, seed: int = 0, text: bool = True) -> dict[str, Any]:
-    """Collective: compare ``load`` (at TP x PP, DP = the rest) with the HF model in ``hf_dir``.
+                      seq_length: int = 64, seed: int = 0, text: bool = True,
+                      cp: int = 1) -> dict[str, Any]:
+    """Collective: compare ``load`` (at TP x CP x PP, DP = the rest) with the HF model in
+    ``hf_dir``. With CP, ``seq_length`` must be a multiple of 2 x CP.
 
     Returns the metrics on every rank.
     """
@@ -116,19 +133,21 @@ def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: i
     theirs = model_info_from_hf(hf_dir, info.make_vocab_size_divisible_by)
     if theirs != info:
         raise ValueError(f"{hf_dir} and {load} describe different models")
-    groups = layout_groups(tp, pp, who="verify")
+    if seq_length % (2 * cp):
+        raise ValueError(f"--seq-length {seq_length} is not a multiple of 2 x CP = {2 * cp}")
+    groups = layout_groups(tp, pp, who="verify", cp=cp)
     reporter = dist.get_rank() == _reporting_rank(groups.layout)
     tokens = torch.empty(batch, seq_length, dtype=torch.long)
     if dist.get_rank() == 0:  # one tokenizer load, not one per rank
         tokens = sample_tokens(hf_dir, info, batch, seq_length, seed, text)
     dist.broadcast(tokens, src=0)
-    log(f"running HF and Megatron (TP={tp} PP={pp}) on {batch}x{seq_length} tokens")
+    log(f"running HF and Megatron (TP={tp} CP={cp} PP={pp}) on {batch}x{seq_length} tokens")
     # The HF model runs (and is freed) before the Megatron shard is built: peak memory is the
     # larger of the two models, not their sum.
     reference = hf_logits(hf_dir, tokens) if reporter else None
     model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
                                     force_reset_rng=True)
-    config = transformer_config(info, tp, pp, 1, torch.float32, perform_initialization=False,
+    config = transformer_config(info, tp, pp, cp, torch.float32, perform_initialization=False,
                                 use_cpu_initialization=True)
     model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
     load_megatron_checkpoint(model, load, groups.pg_collection)
@@ -138,7 +157,7 @@ def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: i
         padded = logits[..., info.vocab_size:]
         metrics = compare_logits(reference, logits[..., : info.vocab_size])
         metrics["padded_logits_max_abs"] = padded.abs().max().item() if padded.numel() else 0.0
-        metrics.update(tp=tp, pp=pp, batch=batch, seq_length=seq_length)
+        metrics.update(tp=tp, cp=cp, pp=pp, batch=batch, seq_length=seq_length)
         result = [metrics]
     dist.broadcast_object_list(result, src=_reporting_rank(groups.layout))
     return result[0]

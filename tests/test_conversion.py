@@ -74,6 +74,9 @@ def test_convert_verify_and_round_trip(pool, tiny_root, family):
     for written, run in (((2, 2), (1, 1)), ((1, 1), (2, 2))):
         metrics = pool.run(verify_conversion, hf_dir, ckpts[written], *run, 2, 32, 0, False)[0]
         _assert_matches_hf(metrics, f"{family} written at {written}, run at {run}")
+    # Context parallel (TP2 x CP2): load-balanced sequence halves, windows and RoPE across them.
+    metrics = pool.run(verify_conversion, hf_dir, ckpts[1, 1], 2, 1, 2, 32, 0, False, 2)[0]
+    _assert_matches_hf(metrics, f"{family} run at TP2 CP2")
 
     exported = str(tiny_root / f"{family}_hf_back")
     pool.run(convert_mcore_to_hf, ckpts[2, 2], exported)

@@ -1,9 +1,11 @@
-"""Real pretrained models through ``xdistill-convert``: SmolLM2-135M (Llama, tied) and
-Qwen2.5-Coder-0.5B (Qwen2, QKV bias, untied head). Each converts, matches the HF logits
-(fp32, rel 1e-4) unsharded and in a parallel layout, and round-trips to HF bit for bit.
+"""Real pretrained models through ``xdistill-convert``: SmolLM2-135M (Llama, tied),
+Qwen2.5-Coder-0.5B (Qwen2, QKV bias, untied head) and Gemma-3-270M (sandwich norms, sliding and
+global layers with their own RoPE; verified past its 512-token window, and with CP). Each
+converts, matches the HF logits (fp32, rel 1e-4) unsharded and in a parallel layout, and
+round-trips to HF bit for bit.
 
-Needs the models from ``../shared/assets/fetch_models.sh smollm2-135m qwen2.5-coder-0.5b``
-(skipped otherwise). Run: ``pytest -m "slow and assets" tests/test_conversion_real.py -s``.
+Needs the models from ``../shared/assets/fetch_models.sh smollm2-135m qwen2.5-coder-0.5b
+gemma3-270m`` (skipped otherwise). Run: ``pytest -m "slow and assets" tests/test_conversion_real.py -s``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.assets]
 
 MODELS_DIR = Path(os.environ.get("XDISTILL_ASSETS", Path.home() / ".cache" / "xdistill-assets")) \
     / "models"
-#: model -> (layout the checkpoint is written at, parallel layout it is verified at)
+#: model -> ((TP, PP) the checkpoint is written at, (TP, PP, CP) it is verified at, tokens)
 CASES = {
-    "smollm2-135m": ((1, 1), (1, 2)),  # 9 heads / 3 KV heads: TP must divide 3
-    "qwen2.5-coder-0.5b": ((2, 1), (2, 2)),
+    "smollm2-135m": ((1, 1), (1, 2, 1), 128),  # 9 heads / 3 KV heads: TP must divide 3
+    "qwen2.5-coder-0.5b": ((2, 1), (2, 2, 1), 128),
+    "gemma3-270m": ((1, 1), (1, 2, 2), 768),  # 1 KV head: TP=1
 }
 
 
@@ -37,11 +40,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return run
 
 
-def _verify(hf: Path, ckpt: Path, tp: int, pp: int, out: Path) -> dict:
+def _verify(hf: Path, ckpt: Path, tp: int, pp: int, cp: int, seq: int, out: Path) -> dict:
     _cli("verify", "--hf-dir", str(hf), "--load", str(ckpt), "--tp", str(tp), "--pp", str(pp),
-         "--batch", "2", "--seq-length", "128", "--max-rel-diff", "1e-4", "--json", str(out))
+         "--cp", str(cp), "--batch", "2", "--seq-length", str(seq), "--max-rel-diff", "1e-4",
+         "--json", str(out))
     metrics = json.loads(out.read_text())
-    print(f"\n{hf.name} TP{tp} PP{pp}: max abs {metrics['max_abs_diff']:.3e}, max rel "
+    print(f"\n{hf.name} TP{tp} PP{pp} CP{cp}: max abs {metrics['max_abs_diff']:.3e}, max rel "
           f"{metrics['max_rel_diff']:.3e}, mean abs {metrics['mean_abs_diff']:.3e}, top-1 "
           f"{metrics['top1_agreement']:.4f}")
     return metrics
@@ -52,11 +56,11 @@ def test_real_model_converts_verifies_and_round_trips(name, tmp_path):
     hf = MODELS_DIR / name
     if not (hf / "model.safetensors").exists():
         pytest.skip(f"{hf} missing: run ../shared/assets/fetch_models.sh {name}")
-    (tp, pp), (vtp, vpp) = CASES[name]
+    (tp, pp), parallel, seq = CASES[name]
     ckpt, back = tmp_path / "mcore", tmp_path / "hf"
     _cli("hf-to-mcore", "--hf-dir", str(hf), "--out", str(ckpt), "--tp", str(tp), "--pp", str(pp))
-    for layout in ((1, 1), (vtp, vpp)):
-        metrics = _verify(hf, ckpt, *layout, tmp_path / f"verify_{layout[0]}{layout[1]}.json")
+    for layout in ((1, 1, 1), parallel):
+        metrics = _verify(hf, ckpt, *layout, seq, tmp_path / f"verify_{''.join(map(str, layout))}.json")
         assert metrics["max_rel_diff"] <= 1e-4
         assert metrics["top1_agreement"] >= 0.99
 

@@ -54,15 +54,22 @@ def test_model_info_of_each_family(family):
     assert (info.num_attention_heads, info.num_query_groups) == (4, 2)
     assert info.tie_word_embeddings == spec.overrides["tie_word_embeddings"]
     assert info.add_qkv_bias == (family == "qwen2")
-    assert info.qk_layernorm == (family == "qwen3")
+    assert info.qk_layernorm == (family in ("qwen3", "gemma3"))
     assert info.kv_channels == (32 if family == "qwen3" else 16)
-    assert info.sliding_window == (8 if family == "mistral" else None)
+    assert info.sliding_window == (8 if family in ("mistral", "gemma3") else None)
+    assert info.window_layers == ([1, 0, 1, 0] if family == "gemma3" else None)
+    assert info.gemma_norms == (family == "gemma3")
     config = transformer_config(info, dtype="bf16")
     assert config.add_qkv_bias == info.add_qkv_bias and config.qk_layernorm == info.qk_layernorm
     assert config.kv_channels == info.kv_channels and config.gated_linear_unit
     assert config.normalization == "RMSNorm" and not config.add_bias_linear
     assert config.params_dtype == torch.bfloat16 and config.bf16
-    assert config.window_size == ((7, 0) if family == "mistral" else None)
+    assert config.window_size == ((7, 0) if family in ("mistral", "gemma3") else None)
+    if family == "gemma3":
+        assert config.window_attn_skip_freq == [1, 0, 1, 0]
+        assert config.softmax_scale == pytest.approx(24 ** -0.5)
+        assert (info.rotary_base, info.local_rotary_base) == (1e6, 1e4)
+        assert info.rope_scaling.rope_type == "linear" and info.embedding_multiplier == 8.0
 
 
 def test_published_configs_in_transformers4_style():
@@ -88,7 +95,7 @@ def test_padded_vocab_size_is_megatrons(vocab, tp, padded):
 
 @pytest.mark.parametrize("config,needle", [
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-    ({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}, "Gemma3ForCausalLM"),
+    ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "Gemma2ForCausalLM"),
     ({"model_type": "falcon"}, "falcon"),
 ])
 def test_unsupported_architecture_names_the_supported_ones(config, needle):
@@ -103,7 +110,8 @@ def test_unsupported_architecture_names_the_supported_ones(config, needle):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "llama3"),
     ({"attention_bias": True}, "o_proj"),
     ({"hidden_act": "gelu"}, "SwiGLU"),
-    ({"layer_types": ["full_attention"] * 8 + ["sliding_attention"] * 8}, "mixing"),
+    ({"layer_types": ["full_attention"] * 8 + ["chunked_attention"] * 8}, "chunked_attention"),
+    ({"final_logit_softcapping": 30.0}, "soft-capping"),
 ])
 def test_unsupported_features_are_refused(change, needle):
     with pytest.raises(UnsupportedModelError, match=needle):

@@ -2,7 +2,9 @@
 installed); model checkpoints that carry their own architecture.
 
 Supported: Llama (Llama 2/3.x, SmolLM2), Mistral (sliding window), Qwen2/Qwen2.5 (QKV bias, tied
-or untied head), Qwen3 (QK RMSNorm). See ``SUPPORTED_ARCHITECTURES``.
+or untied head), Qwen3 (QK RMSNorm), Gemma 3 text models (:mod:`.gemma3`: sandwich norms, local
+and global layers with their own RoPE, GeGLU, scaled embeddings; torch-native layers only). See
+``SUPPORTED_ARCHITECTURES``.
 
 API for the training runtime::
 
@@ -19,6 +21,7 @@ API for the training runtime::
 num_attention_heads, num_query_groups, kv_channels, vocab_size (real; the loss normalises over
 it), max_position_embeddings (``seq_length``), norm_epsilon, rotary_base, rope_scaling
 (``RopeScaling`` or None), tie_word_embeddings, add_qkv_bias, qk_layernorm, sliding_window,
+window_layers, local_rotary_base, activation, gemma_norms, embedding_multiplier, softmax_scale,
 attention_dropout, init_method_std, hf_dtype, make_vocab_size_divisible_by, hf_config; and
 ``padded_vocab_size(tp)``: Megatron's padded vocabulary (multiple of
 ``make_vocab_size_divisible_by * tp``) that the model's embedding and logits have; logit columns

@@ -7,6 +7,7 @@ parallel_state is used only when none is given).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -19,10 +20,16 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 
+from megatron_xdistill.models import gemma3  # noqa: E402
 from megatron_xdistill.models.hf_config import ModelInfo, model_info_from_hf  # noqa: E402
 from megatron_xdistill.models.specs import gpt_layer_spec  # noqa: E402
 
+_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32,
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -62,8 +69,9 @@ def transformer_config(
     dtype: str | torch.dtype = torch.float32,
     **overrides: Any,
 ) -> TransformerConfig:
-    """Megatron TransformerConfig of ``info`` at a layout: RMSNorm, SwiGLU, GQA, no linear bias
-    (QKV bias for Qwen2), QK RMSNorm (Qwen3), sliding window (Mistral). No dropout unless the HF
+    """Megatron TransformerConfig of ``info`` at a layout: RMSNorm, SwiGLU (GeGLU for Gemma 3),
+    GQA, no linear bias (QKV bias for Qwen2), QK RMSNorm (Qwen3, Gemma 3), sliding window on all
+    layers (Mistral) or some (Gemma 3), softmax scale (Gemma 3). No dropout unless the HF
     config has attention dropout. Kernel fusions are left to the runtime. ``overrides`` are
     passed to TransformerConfig last (e.g. ``sequence_parallel=True``,
     ``gradient_accumulation_fusion=True``).
@@ -81,7 +89,7 @@ def transformer_config(
         layernorm_epsilon=info.norm_epsilon,
         normalization="RMSNorm",
         gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
+        activation_func=_ACTIVATIONS[info.activation],
         add_bias_linear=False,
         add_qkv_bias=info.add_qkv_bias,
         qk_layernorm=info.qk_layernorm,
@@ -89,6 +97,8 @@ def transformer_config(
         attention_dropout=info.attention_dropout,
         init_method_std=info.init_method_std,
         window_size=(info.sliding_window - 1, 0) if info.sliding_window else None,
+        window_attn_skip_freq=list(info.window_layers) if info.window_layers else None,
+        softmax_scale=info.softmax_scale,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
@@ -163,10 +173,20 @@ def build_gpt_model(
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
     scaling = info.rope_scaling
+    if info.gemma_norms or info.local_rotary_base is not None:
+        if use_te:
+            raise ValueError(f"{info.architecture}: its layers are built from torch-native "
+                             f"modules only (use_te=False)")
+        layer_spec = gemma3.gemma3_block_spec(
+            gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=False),
+            _layers_on_this_stage(config, pg_collection, vp_stage), info.local_rotary_base)
+        if not info.gemma_norms:
+            raise ValueError(f"{info.architecture}: a local RoPE base needs Gemma's layer spec")
+    else:
+        layer_spec = gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=use_te)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm,
-                                              use_te=use_te),
+        transformer_layer_spec=layer_spec,
         vocab_size=info.padded_vocab_size(config.tensor_model_parallel_size),
         max_sequence_length=info.max_position_embeddings,
         pre_process=pre_process,
@@ -184,4 +204,17 @@ def build_gpt_model(
     )
     if scaling is not None and scaling.rope_type == "llama3":
         model.rotary_pos_emb.inv_freq = _llama3_inv_freq(info, model.rotary_pos_emb)
+    if info.embedding_multiplier is not None:
+        gemma3.scale_embeddings(model, info.embedding_multiplier)
+    if mcore_compat.cuda_available():
+        # Torch-native norms are made on the host whatever use_cpu_initialization says (as in
+        # Megatron's own get_model, the whole module then moves to the rank's GPU).
+        model.cuda(torch.cuda.current_device())
     return model
+
+
+def _layers_on_this_stage(config: TransformerConfig, pg_collection: ProcessGroupCollection | None,
+                          vp_stage: int | None) -> int:
+    pp_rank = (parallel_state.get_pipeline_model_parallel_rank() if pg_collection is None
+               else pg_collection.pp.rank())
+    return get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)

@@ -22,7 +22,12 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+#: HF activation (``hidden_act`` / Gemma's ``hidden_activation``) -> gated MLP activation.
+SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+#: HF ``layer_types`` entries we build (which layers use the sliding window).
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 #: HF ``rope_type`` values whose Megatron equivalent we build.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -68,6 +73,19 @@ class ModelInfo:
     qk_layernorm: bool
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
+    #: Per layer, 1 = sliding window, 0 = full attention (Megatron's ``window_attn_skip_freq``
+    #: list); None = every layer slides when ``sliding_window`` is set.
+    window_layers: list[int] | None = None
+    #: RoPE base of the sliding-window layers when it differs from the global one (Gemma 3).
+    local_rotary_base: float | None = None
+    activation: str = "silu"
+    #: Gemma-style norms: fp32 RMSNorm scaled by 1 + weight, plus a norm after attention and
+    #: after the MLP ("sandwich" norms).
+    gemma_norms: bool = False
+    #: Embedding output multiplier (Gemma: sqrt(hidden_size)); None = 1.
+    embedding_multiplier: float | None = None
+    #: Attention softmax scale when not 1 / sqrt(kv_channels) (Gemma: query_pre_attn_scalar).
+    softmax_scale: float | None = None
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     hf_dtype: str = "float32"
@@ -118,22 +136,15 @@ def _load_hf_config(hf_config: Any) -> dict[str, Any]:
     raise TypeError(f"expected an HF config, its dict or a folder, got {type(hf_config).__name__}")
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(base, scaling) from transformers 5's ``rope_parameters`` or 4.x's rope_theta/rope_scaling."""
-    params = cfg.get("rope_parameters")
-    if params is None:
-        params = dict(cfg.get("rope_scaling") or {})
-        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    if "rope_theta" not in params:
-        raise UnsupportedModelError(
-            f"per-layer-type RoPE parameters {sorted(params)} are not supported")
+def _rope_params(params: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if "rope_theta" not in params:
+        raise UnsupportedModelError(f"{where}: no rope_theta in {sorted(params)}")
     base = float(params["rope_theta"])
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
-            f"RoPE type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    if float(cfg.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+            f"{where}: RoPE type {rope_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return base, None
     if rope_type == "linear":
@@ -147,26 +158,75 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(cfg: dict[str, Any], family: str) -> int | None:
-    """One window for every layer (Mistral), or none; per-layer mixes are refused."""
+def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+    """(base, scaling, sliding layers' base or None) from transformers 5's ``rope_parameters``
+    (one dict, or one per layer type) or 4.x's rope_theta / rope_scaling / rope_local_base_freq."""
+    if float(cfg.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    params = cfg.get("rope_parameters")
+    local_base = cfg.get("rope_local_base_freq")
+    if params is None:
+        params = dict(cfg.get("rope_scaling") or {})
+        params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    elif set(params) & set(_LAYER_TYPES):  # per layer type
+        unknown = sorted(set(params) - set(_LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"rope_parameters for layer types {unknown} are not "
+                                        f"supported (known: {', '.join(_LAYER_TYPES)})")
+        if "sliding_attention" in params:
+            local_base, local_scaling = _rope_params(params["sliding_attention"],
+                                                     "rope_parameters.sliding_attention")
+            if local_scaling is not None:
+                raise UnsupportedModelError(
+                    "rope_parameters.sliding_attention: scaled RoPE on sliding-window layers is "
+                    "not supported")
+        params = params.get("full_attention", params.get("sliding_attention"))
+    base, scaling = _rope_params(params, "rope_parameters")
+    if local_base is not None and float(local_base) == base and scaling is None:
+        local_base = None  # one table serves every layer
+    return base, scaling, None if local_base is None else float(local_base)
+
+
+def _sliding_window(cfg: dict[str, Any], family: str) -> tuple[int | None, list[int] | None]:
+    """(window, per-layer 1 = sliding / 0 = full, or None when all layers are alike)."""
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
     if layer_types:
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"layer_types {unknown} are not supported (known: "
+                                        f"{', '.join(_LAYER_TYPES)})")
+        if len(layer_types) != int(cfg["num_hidden_layers"]):
+            raise UnsupportedModelError(f"layer_types has {len(layer_types)} entries for "
+                                        f"{cfg['num_hidden_layers']} layers")
         kinds = set(layer_types)
         if kinds == {"full_attention"}:
-            return None
-        if kinds != {"sliding_attention"}:
-            raise UnsupportedModelError(
-                f"layers mixing attention kinds {sorted(kinds)} are not supported")
-        return int(window)
+            return None, None
+        if not window:
+            raise UnsupportedModelError("layer_types has sliding_attention layers but "
+                                        "sliding_window is not set")
+        if kinds == {"sliding_attention"}:
+            return int(window), None
+        return int(window), [int(t == "sliding_attention") for t in layer_types]
     if family == "mistral" or cfg.get("use_sliding_window"):
-        return int(window) if window else None
-    return None
+        return (int(window), None) if window else (None, None)
+    return None, None
+
+
+def _activation(cfg: dict[str, Any]) -> str:
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"hidden_act={act!r}; supported: silu (SwiGLU), gelu_pytorch_tanh (GeGLU)")
+    return SUPPORTED_ACTIVATIONS[act]
 
 
 def _check_unsupported(cfg: dict[str, Any], family: str) -> None:
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r}; only SwiGLU (silu) is supported")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise UnsupportedModelError(f"{key}={cfg[key]} (logit soft-capping) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedModelError("use_bidirectional_attention=True is not supported")
     if cfg.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias=True is not supported")
     if family != "qwen2" and cfg.get("attention_bias"):
@@ -193,7 +253,13 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
     _check_unsupported(cfg, family)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    base, scaling = _rope(cfg)
+    base, scaling, local_base = _rope(cfg)
+    window, window_layers = _sliding_window(cfg, family)
+    kv_channels = int(cfg.get("head_dim") or hidden // heads)
+    gemma = family == "gemma3"
+    softmax_scale = None
+    if gemma and float(cfg.get("query_pre_attn_scalar") or kv_channels) != kv_channels:
+        softmax_scale = float(cfg["query_pre_attn_scalar"]) ** -0.5
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     return ModelInfo(
         architecture=arch,
@@ -203,16 +269,22 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         ffn_hidden_size=int(cfg["intermediate_size"]),
         num_attention_heads=heads,
         num_query_groups=int(cfg.get("num_key_value_heads") or heads),
-        kv_channels=int(cfg.get("head_dim") or hidden // heads),
+        kv_channels=kv_channels,
         vocab_size=int(cfg["vocab_size"]),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
         rotary_base=base,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         add_qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias (and none on o_proj)
-        qk_layernorm=family == "qwen3",
+        qk_layernorm=family in ("qwen3", "gemma3"),
         rope_scaling=scaling,
-        sliding_window=_sliding_window(cfg, family),
+        sliding_window=window,
+        window_layers=window_layers,
+        local_rotary_base=local_base if window else None,
+        activation=_activation(cfg),
+        gemma_norms=gemma,
+        embedding_multiplier=math.sqrt(hidden) if gemma else None,
+        softmax_scale=softmax_scale,
         attention_dropout=float(cfg.get("attention_dropout", 0.0) or 0.0),
         init_method_std=float(cfg.get("initializer_range", 0.02)),
         hf_dtype=str(dtype).replace("torch.", ""),
