@@ -206,9 +206,9 @@ def build_gpt_model(
         model.rotary_pos_emb.inv_freq = _llama3_inv_freq(info, model.rotary_pos_emb)
     if info.embedding_multiplier is not None:
         gemma3.scale_embeddings(model, info.embedding_multiplier)
-    if mcore_compat.cuda_available():
-        # Torch-native norms are made on the host whatever use_cpu_initialization says (as in
-        # Megatron's own get_model, the whole module then moves to the rank's GPU).
+    if mcore_compat.cuda_available() and not config.use_cpu_initialization:
+        # Megatron's linears are made on the GPU, torch-native norms on the host; as in
+        # Megatron's own get_model, the whole module then moves to the rank's GPU.
         model.cuda(torch.cuda.current_device())
     return model
 
