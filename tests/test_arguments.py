@@ -39,10 +39,26 @@ def test_defaults_are_derived(base):
     (["--save-interval", "5"], 1, r"--save-interval needs --save"),
     (["--kd-weight", "0"], 1, r"nothing to train"),
     (["--lr-warmup-iters", "3"], 1, r"--lr-warmup-iters 3 must be >= 0 and smaller than"),
+    (["--recompute-granularity", "full"], 1, r"needs --recompute-method .* --recompute-num-layers"),
+    (["--recompute-num-layers", "2"], 1, r"apply to --recompute-granularity full only"),
+    (["--recompute-granularity", "full", "--recompute-method", "block",
+      "--recompute-num-layers", "0"], 1, r"--recompute-num-layers must be >= 1, got 0"),
 ])
 def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):
         parse_args(base + extra, world_size=world)
+
+
+def test_recompute_arguments_become_transformer_config_fields(base):
+    from megatron_xdistill.training.arguments import recompute_options
+
+    assert recompute_options(parse_args(base, world_size=1)) == {}
+    args = parse_args(base + ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                              "--recompute-num-layers", "2"], world_size=1)
+    assert recompute_options(args) == {"recompute_granularity": "full",
+                                       "recompute_method": "uniform", "recompute_num_layers": 2}
+    args = parse_args(base + ["--recompute-granularity", "selective"], world_size=1)
+    assert recompute_options(args) == {"recompute_granularity": "selective"}
 
 
 def test_missing_directories_are_named(base, tmp_path):

@@ -209,3 +209,42 @@ def test_distributed_optimizer_step_matches_dense_adam(pool, reference):
     # = 1e-4 keeps that below 1e-4 * lr (= atol) while most updates are still ~lr.
     _assert_close(stepped, {n: p.detach() for n, p in params.items()}, "weight after one step",
                   atol=1e-6)
+
+
+def _recompute_step(ckpt_dir: str, overrides: dict) -> dict:
+    """One forward/backward with activation recomputation: loss, gradients and how often the
+    first layer and its core attention ran forward."""
+    from megatron_xdistill.testing.tiny_gpt import build_tiny_gpt, init_model_parallel, tiny_config
+
+    init_model_parallel(1, 1, 1)
+    model = build_tiny_gpt(tiny_config(**overrides))
+    _load_into(model, ckpt_dir)
+    layer = model.decoder.layers[0]
+    calls = {"layer": 0, "core_attention": 0}
+    layer.register_forward_hook(lambda *a: calls.__setitem__("layer", calls["layer"] + 1))
+    layer.self_attention.core_attention.register_forward_hook(
+        lambda *a: calls.__setitem__("core_attention", calls["core_attention"] + 1))
+    tokens, labels = _batch()
+    pos = torch.arange(SEQ).expand(BATCH, SEQ)
+    loss = model(tokens, pos, None, labels=labels).mean()
+    loss.backward()
+    return {"loss": loss.item(), "calls": calls,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("overrides,runs", [
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 2},
+     {"layer": 2, "core_attention": 2}),
+    ({"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+     {"layer": 2, "core_attention": 2}),
+    ({"recompute_granularity": "selective"}, {"layer": 1, "core_attention": 2}),
+])
+def test_activation_recomputation_reruns_forward_and_keeps_gradients(pool, reference, overrides,
+                                                                      runs):
+    """Recomputation (the student's --recompute-*) re-runs what it drops in backward and leaves
+    the loss and every gradient as without it."""
+    _, ckpt, ref = reference
+    out = pool.run(_recompute_step, ckpt, overrides)[0]
+    assert out["calls"] == runs
+    assert out["loss"] == pytest.approx(ref["loss"], rel=RTOL)
+    _assert_close(out["grads"], ref["grads"], f"gradient with {overrides}")

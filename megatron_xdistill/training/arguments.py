@@ -47,6 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "serve the teacher (the last N ranks); the student gets the rest")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
+    g = p.add_argument_group("activation recomputation (student; the teacher keeps none)")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute whole transformer layers in backward (needs "
+                   "--recompute-method and --recompute-num-layers); selective: recompute the "
+                   "core attention only")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None,
+                   help="uniform: checkpoint every group of --recompute-num-layers layers; "
+                   "block: recompute the first --recompute-num-layers layers of each stage")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="layers per recompute group (uniform) or per stage (block)")
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--load", required=True,
@@ -120,6 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def recompute_options(args: argparse.Namespace) -> dict:
+    """The student's TransformerConfig fields for activation recomputation (Megatron's names)."""
+    if args.recompute_granularity is None:
+        return {}
+    options = {"recompute_granularity": args.recompute_granularity}
+    if args.recompute_granularity == "full":
+        options.update(recompute_method=args.recompute_method,
+                       recompute_num_layers=args.recompute_num_layers)
+    return options
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -131,6 +152,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         args.teacher_seq_length = 2 * args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    full = args.recompute_granularity == "full"
+    _check(not full or (args.recompute_method is not None
+                        and args.recompute_num_layers is not None),
+           "--recompute-granularity full needs --recompute-method (uniform|block) and "
+           "--recompute-num-layers N")
+    _check(full or (args.recompute_method is None and args.recompute_num_layers is None),
+           "--recompute-method / --recompute-num-layers apply to --recompute-granularity full "
+           "only")
+    _check(args.recompute_num_layers is None or args.recompute_num_layers >= 1,
+           f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
     placement = Placement.from_args(args, world_size)  # raises with what to change
     ranks = {"student": placement.student_size, "teacher": placement.teacher_size}
     dp = {}

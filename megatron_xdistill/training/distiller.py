@@ -53,7 +53,7 @@ from megatron_xdistill.parallel.layout import (  # noqa: E402
     build_model_parallel_groups,
 )
 from megatron_xdistill.parallel.placement import Placement  # noqa: E402
-from megatron_xdistill.training import kd_adapter  # noqa: E402
+from megatron_xdistill.training import arguments, kd_adapter  # noqa: E402
 from megatron_xdistill.transport.hybrid import (  # noqa: E402
     RoutedTransport,
     check_one_rank_per_gpu,
@@ -262,7 +262,8 @@ class Distiller:
         """Student: DDP + Megatron optimizer + LR schedule."""
         args = self.args
         model, self.student_config = self._build(models_api, self.student_info,
-                                                 self.student_groups, dtype, seed=args.seed)
+                                                 self.student_groups, dtype, seed=args.seed,
+                                                 **arguments.recompute_options(args))
         if init_weights:  # else a training checkpoint is restored by resume()
             models_api.load_megatron_checkpoint(model, args.load, self.student_groups.pg_collection,
                                                 process_group=self.student_world)
@@ -294,12 +295,13 @@ class Distiller:
         )
 
     # ------------------------------------------------------------------ construction
-    def _build(self, models_api, info, groups: ModelParallelGroups, dtype, seed: int):
+    def _build(self, models_api, info, groups: ModelParallelGroups, dtype, seed: int,
+               **overrides):
         layout = groups.layout
         model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0,
                                         etp_rank=0, force_reset_rng=True)
         config = models_api.transformer_config(info, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                                               dtype=dtype)
+                                               dtype=dtype, **overrides)
         model = models_api.build_gpt_model(info, config, pre_process=groups.is_first_stage,
                                            post_process=groups.is_last_stage,
                                            pg_collection=groups.pg_collection)
