@@ -58,7 +58,8 @@ def _load_into(model, ckpt_dir: str) -> None:
 
 
 def _layout_step(
-    ckpt_dir: str, out_dir: str, tp: int, pp: int, cp: int, optimizer_step: bool = False
+    ckpt_dir: str, out_dir: str, tp: int, pp: int, cp: int, optimizer_step: bool = False,
+    sequence_parallel: bool = False,
 ) -> float:
     """Forward/backward (and optionally one distributed-optimizer step) in a parallel layout.
 
@@ -81,7 +82,7 @@ def _layout_step(
     from megatron_xdistill.testing.tiny_gpt import build_tiny_gpt, init_model_parallel, tiny_config
 
     init_model_parallel(tp, pp, cp)
-    config = tiny_config(tp, pp, cp)
+    config = tiny_config(tp, pp, cp, sequence_parallel=sequence_parallel)
     model = build_tiny_gpt(config)
     _load_into(model, ckpt_dir)
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=optimizer_step)
@@ -112,7 +113,7 @@ def _layout_step(
         data_iterator=iter(microbatches),
         model=[ddp],
         num_microbatches=rows,
-        seq_length=SEQ // cp,
+        seq_length=SEQ,  # the schedule divides by CP (and TP with sequence parallelism)
         micro_batch_size=1,
         forward_only=False,
     )
@@ -177,15 +178,17 @@ def _assert_close(actual: dict, expected: dict, what: str, atol: float = 1e-7) -
 
 
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "cp2": (1, 1, 2),
-           "tp2pp2": (2, 2, 1)}
+           "tp2pp2": (2, 2, 1), "tp2sp_pp2": (2, 2, 1, True), "tp2sp_cp2": (2, 1, 2, True)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_and_grads_match_unsharded(pool, reference, name):
+    """Every layout (sequence parallelism with TP where the name says "sp") gives the unsharded
+    loss and gradients."""
     root, ckpt, ref = reference
-    tp, pp, cp = LAYOUTS[name]
+    tp, pp, cp, *sp = LAYOUTS[name]
     grad_dir = _shared_dir(root, f"grads_{name}")
-    losses = pool.run(_layout_step, ckpt, grad_dir, tp, pp, cp)
+    losses = pool.run(_layout_step, ckpt, grad_dir, tp, pp, cp, False, bool(sp))
     assert losses[0] == pytest.approx(ref["loss"], rel=RTOL)
     assert len(set(losses)) == 1, f"ranks disagree on the loss: {losses}"
     grads = pool.run(_load_unsharded, grad_dir)[0]

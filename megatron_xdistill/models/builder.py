@@ -20,11 +20,15 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
 
 from megatron_xdistill.models import gemma3  # noqa: E402
 from megatron_xdistill.models.hf_config import ModelInfo, model_info_from_hf  # noqa: E402
-from megatron_xdistill.models.specs import gpt_layer_spec  # noqa: E402
+from megatron_xdistill.models.specs import (  # noqa: E402
+    TorchRMSNorm,
+    gpt_layer_spec,
+    have_transformer_engine,
+    torch_block_spec,
+)
 
 _ACTIVATIONS = {
     "silu": torch.nn.functional.silu,
@@ -173,17 +177,24 @@ def build_gpt_model(
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
     scaling = info.rope_scaling
-    if info.gemma_norms or info.local_rotary_base is not None:
+    if use_te is None:
+        use_te = have_transformer_engine()
+    if info.gemma_norms:
         if use_te:
             raise ValueError(f"{info.architecture}: its layers are built from torch-native "
                              f"modules only (use_te=False)")
-        layer_spec = gemma3.gemma3_block_spec(
+        layer_spec = gemma3.gemma3_layer_spec(
             gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=False),
-            _layers_on_this_stage(config, pg_collection, vp_stage), info.local_rotary_base)
-        if not info.gemma_norms:
-            raise ValueError(f"{info.architecture}: a local RoPE base needs Gemma's layer spec")
+            info.local_rotary_base)
+        final_norm = gemma3.ZeroCenteredRMSNorm
     else:
+        if info.local_rotary_base is not None:
+            raise ValueError(f"{info.architecture}: a local RoPE base needs Gemma's layer spec")
         layer_spec = gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=use_te)
+        final_norm = TorchRMSNorm
+    if not use_te:  # TE's spec brings its own final norm
+        layer_spec = torch_block_spec(layer_spec, config, _pp_rank(pg_collection), vp_stage,
+                                      final_norm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -213,8 +224,7 @@ def build_gpt_model(
     return model
 
 
-def _layers_on_this_stage(config: TransformerConfig, pg_collection: ProcessGroupCollection | None,
-                          vp_stage: int | None) -> int:
-    pp_rank = (parallel_state.get_pipeline_model_parallel_rank() if pg_collection is None
-               else pg_collection.pp.rank())
-    return get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+def _pp_rank(pg_collection: ProcessGroupCollection | None) -> int:
+    if pg_collection is None:
+        return parallel_state.get_pipeline_model_parallel_rank()
+    return pg_collection.pp.rank()

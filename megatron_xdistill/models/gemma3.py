@@ -28,7 +28,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -108,9 +107,9 @@ class LocalRopeSelfAttention(SelfAttention):
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
 
 
-def gemma3_block_spec(layer_spec: ModuleSpec, num_layers: int,
-                      local_rotary_base: float | None) -> TransformerBlockSubmodules:
-    """Turn the torch-native GPT layer spec into Gemma 3's (see the module docstring)."""
+def gemma3_layer_spec(layer_spec: ModuleSpec, local_rotary_base: float | None) -> ModuleSpec:
+    """Turn the torch-native GPT layer spec into Gemma 3's (see the module docstring); its final
+    norm is a :class:`ZeroCenteredRMSNorm` too."""
     spec = copy.deepcopy(layer_spec)
     layer = spec.submodules
     layer.input_layernorm = ZeroCenteredRMSNorm
@@ -122,8 +121,7 @@ def gemma3_block_spec(layer_spec: ModuleSpec, num_layers: int,
     attention.submodules.k_layernorm = ZeroCenteredRMSNorm
     attention.submodules.linear_proj = PostNormRowParallelLinear
     layer.mlp = _with_fc2(layer.mlp, PostNormRowParallelLinear)
-    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers,
-                                      layer_norm=ZeroCenteredRMSNorm)
+    return spec
 
 
 def _with_fc2(mlp_spec, linear_fc2):

@@ -2,14 +2,43 @@
 
 The torch-native spec is Megatron-Core's local spec with the core attention replaced by
 :class:`~megatron_xdistill.models.attention.TorchCoreAttention`, which supports context
-parallelism without TE.
+parallelism without TE, and its RMSNorms by :class:`TorchRMSNorm`, which supports sequence
+parallelism (Megatron's ``WrappedTorchNorm`` refuses it). :func:`torch_block_spec` makes the
+block spec (this stage's layers and the final norm) that GPTModel takes.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+import torch
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` with Megatron's norm constructor (``config, hidden_size, eps``).
+
+    Its weight carries ``sequence_parallel``, so with sequence parallelism (each TP rank
+    normalises its part of the sequence) Megatron reduces the weight's gradient over TP.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                 **unused) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def torch_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, pp_rank: int,
+                     vp_stage: int | None = None,
+                     final_norm: type = TorchRMSNorm) -> TransformerBlockSubmodules:
+    """Block spec of a torch-native layer spec: this pipeline stage's layers + ``final_norm``."""
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers, layer_norm=final_norm)
 
 
 def have_transformer_engine() -> bool:
@@ -42,5 +71,11 @@ def gpt_layer_spec(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
-    spec.submodules.self_attention.submodules.core_attention = TorchCoreAttention
+    layer = spec.submodules
+    layer.self_attention.submodules.core_attention = TorchCoreAttention
+    if normalization == "RMSNorm":
+        layer.input_layernorm = layer.pre_mlp_layernorm = TorchRMSNorm
+        if qk_layernorm:
+            layer.self_attention.submodules.q_layernorm = TorchRMSNorm
+            layer.self_attention.submodules.k_layernorm = TorchRMSNorm
     return spec

@@ -17,7 +17,7 @@ from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 from megatron.core.transformer import TransformerConfig  # noqa: E402
 
-from megatron_xdistill.models.specs import gpt_layer_spec  # noqa: E402
+from megatron_xdistill.models.specs import gpt_layer_spec, torch_block_spec  # noqa: E402
 
 TINY_VOCAB = 256
 
@@ -71,7 +71,9 @@ def build_tiny_gpt(config: TransformerConfig, vocab_size: int = TINY_VOCAB,
     """GPTModel with the torch-native layer spec for the current pipeline stage."""
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(normalization=config.normalization, use_te=False),
+        transformer_layer_spec=torch_block_spec(
+            gpt_layer_spec(normalization=config.normalization, use_te=False), config,
+            ps.get_pipeline_model_parallel_rank()),
         vocab_size=vocab_size,
         max_sequence_length=seq_length,
         pre_process=ps.is_pipeline_first_stage(),
