@@ -39,6 +39,10 @@ def test_defaults_are_derived(base):
     (["--save-interval", "5"], 1, r"--save-interval needs --save"),
     (["--kd-weight", "0"], 1, r"nothing to train"),
     (["--lr-warmup-iters", "3"], 1, r"--lr-warmup-iters 3 must be >= 0 and smaller than"),
+    (["--sequence-parallel"], 1, r"--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (["--teacher-tensor-model-parallel-size", "4", "--teacher-sequence-parallel",
+      "--teacher-seq-length", "66"], 4,
+     r"teacher sequence length 66 must be divisible by 4 with --teacher-sequence-parallel"),
     (["--recompute-granularity", "full"], 1, r"needs --recompute-method .* --recompute-num-layers"),
     (["--recompute-num-layers", "2"], 1, r"apply to --recompute-granularity full only"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
@@ -59,6 +63,16 @@ def test_recompute_arguments_become_transformer_config_fields(base):
                                        "recompute_method": "uniform", "recompute_num_layers": 2}
     args = parse_args(base + ["--recompute-granularity", "selective"], world_size=1)
     assert recompute_options(args) == {"recompute_granularity": "selective"}
+
+
+def test_model_options_per_side(base):
+    from megatron_xdistill.training.arguments import model_options
+
+    args = parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--recompute-granularity", "selective"], world_size=2)
+    assert model_options(args, "student") == {"sequence_parallel": True,
+                                              "recompute_granularity": "selective"}
+    assert model_options(args, "teacher") == {"sequence_parallel": False}
 
 
 def test_missing_directories_are_named(base, tmp_path):

@@ -91,12 +91,13 @@ def _losses(root: Path, name: str) -> list[tuple[float, float]]:
 
 
 LAYOUTS = {
-    "student_tp2": ["--tensor-model-parallel-size", "2"],
-    "student_pp2_recompute_teacher_tp2": ["--pipeline-model-parallel-size", "2",
-                                          "--recompute-granularity", "full",
-                                          "--recompute-method", "uniform",
-                                          "--recompute-num-layers", "1",
-                                          "--teacher-tensor-model-parallel-size", "2"],
+    "student_tp2_sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "student_pp2_recompute_teacher_tp2_sp": ["--pipeline-model-parallel-size", "2",
+                                             "--recompute-granularity", "full",
+                                             "--recompute-method", "uniform",
+                                             "--recompute-num-layers", "1",
+                                             "--teacher-tensor-model-parallel-size", "2",
+                                             "--teacher-sequence-parallel"],
     # CP x PP on both sides: pipeline messages carry this CP rank's part of the sequence.
     "student_cp2_pp2_teacher_cp2_pp2": ["--context-parallel-size", "2",
                                         "--pipeline-model-parallel-size", "2",

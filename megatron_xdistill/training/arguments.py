@@ -24,6 +24,9 @@ def _parallel(parser: argparse.ArgumentParser, prefix: str, who: str) -> None:
                        help=f"{who}: pipeline parallel size (PP)")
     group.add_argument(f"--{prefix}context-parallel-size", type=int, default=1,
                        help=f"{who}: context parallel size (CP); DP is what remains")
+    group.add_argument(f"--{prefix}sequence-parallel", action="store_true",
+                       help=f"{who}: sequence parallelism (norms, dropout and residuals on 1/TP "
+                       f"of the sequence; needs TP > 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def model_options(args: argparse.Namespace, who: str) -> dict:
+    """TransformerConfig fields of one side's arguments: sequence parallelism, and the
+    student's activation recomputation."""
+    prefix = "" if who == "student" else "teacher_"
+    options = {"sequence_parallel": bool(getattr(args, f"{prefix}sequence_parallel"))}
+    if who == "student":
+        options.update(recompute_options(args))
+    return options
+
+
 def recompute_options(args: argparse.Namespace) -> dict:
     """The student's TransformerConfig fields for activation recomputation (Megatron's names)."""
     if args.recompute_granularity is None:
@@ -190,6 +203,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _check(seq % (2 * cp) == 0 if cp > 1 else True,
                f"{who} sequence length {seq} must be divisible by 2 x context-parallel size "
                f"({2 * cp})")
+        if getattr(args, f"{prefix}sequence_parallel"):
+            _check(tp > 1, f"{flag}sequence-parallel needs {flag}tensor-model-parallel-size > 1 "
+                   f"(it splits the sequence over the TP ranks)")
+            parts = tp * (2 * cp if cp > 1 else 1)
+            _check(seq % parts == 0,
+                   f"{who} sequence length {seq} must be divisible by {parts} with "
+                   f"{flag}sequence-parallel (TP {tp}" + (f" x 2 x CP {cp})" if cp > 1 else ")"))
     _check(args.global_batch_size % (args.micro_batch_size * dp["student"]) == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of "
            f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x "

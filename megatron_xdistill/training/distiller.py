@@ -33,6 +33,7 @@ from megatron_xdistill import mcore_compat
 
 mcore_compat.install()
 
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import (  # noqa: E402
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -181,6 +182,10 @@ class Distiller:
             placement.teacher_size, args.teacher_tensor_model_parallel_size,
             args.teacher_context_parallel_size, args.teacher_pipeline_model_parallel_size,
             who="teacher")
+        # Sequence parallelism gathers into Megatron's global scratch buffer, which
+        # initialize_model_parallel would make; these layouts come from pg_collections instead.
+        if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+            parallel_state._set_global_memory_buffer()
         # Group creation is collective over the world: every rank builds both sides' groups.
         self.student_groups = build_model_parallel_groups(self.student_layout,
                                                           placement.student_offset)
@@ -212,7 +217,8 @@ class Distiller:
         self.teacher = self.teacher_config = None
         if self.has_teacher:
             self.teacher, self.teacher_config = self._build(
-                models_api, self.teacher_info, self.teacher_groups, dtype, seed=args.seed)
+                models_api, self.teacher_info, self.teacher_groups, dtype, seed=args.seed,
+                **arguments.model_options(args, "teacher"))
             models_api.load_megatron_checkpoint(self.teacher, args.teacher_load,
                                                 self.teacher_groups.pg_collection,
                                                 process_group=self.teacher_world)
@@ -263,7 +269,7 @@ class Distiller:
         args = self.args
         model, self.student_config = self._build(models_api, self.student_info,
                                                  self.student_groups, dtype, seed=args.seed,
-                                                 **arguments.recompute_options(args))
+                                                 **arguments.model_options(args, "student"))
         if init_weights:  # else a training checkpoint is restored by resume()
             models_api.load_megatron_checkpoint(model, args.load, self.student_groups.pg_collection,
                                                 process_group=self.student_world)
