@@ -169,7 +169,8 @@ def build_gpt_model(
     """GPTModel of ``info`` for this rank's pipeline stage.
 
     Vocabulary rows: ``info.padded_vocab_size(config.tensor_model_parallel_size)``. ``use_te``:
-    None picks the TransformerEngine spec when TE is installed, else the torch-native spec.
+    None picks the TransformerEngine spec when TE is installed, else the torch-native spec
+    (Gemma 3: always the torch-native one).
     ``pre_process``/``post_process`` default to this rank's stage in ``pg_collection`` (or the
     global parallel_state). Call ``model_parallel_cuda_manual_seed`` first, as for any GPTModel.
     """
@@ -177,17 +178,18 @@ def build_gpt_model(
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process
     scaling = info.rope_scaling
-    if use_te is None:
-        use_te = have_transformer_engine()
-    if info.gemma_norms:
+    if info.gemma_norms:  # torch-native layers only, also where TE is installed
         if use_te:
             raise ValueError(f"{info.architecture}: its layers are built from torch-native "
                              f"modules only (use_te=False)")
+        use_te = False
         layer_spec = gemma3.gemma3_layer_spec(
             gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=False),
             info.local_rotary_base)
         final_norm = gemma3.ZeroCenteredRMSNorm
     else:
+        if use_te is None:
+            use_te = have_transformer_engine()
         if info.local_rotary_base is not None:
             raise ValueError(f"{info.architecture}: a local RoPE base needs Gemma's layer spec")
         layer_spec = gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=use_te)
