@@ -19,7 +19,7 @@ Measured on 2 CPU cores (Qwen2.5-Coder-0.5B architecture, 1 x 1024 tokens, fp32;
   TP2 + sequence parallel         2                       3,868     26.23
   TP2 + SP + full recompute       2                       1,900     28.27
 
-Full recomputation keeps one layer input per layer: -2.3 GiB at TP1, -1.5 GiB at TP2+SP.
+Full recomputation keeps one layer input per layer: -2.3 GiB at TP1, -1.9 GiB at TP2 + SP.
 Sequence parallelism shrinks only the [s, b, h] tensors between the TP regions (about 14 MiB per
 layer here), which the torch-native attention's fp32 [heads, s, s] scores dwarf; on the CPU the
 resident peak also carries allocator caching and the gathers' buffers, so SP shows no saving at
