@@ -202,3 +202,35 @@ def test_pg_collection_build_equals_parallel_state_build(pool, tp, pp):
     assert all(r["params"] > 0 for r in results)
     if pp == 1:
         assert all(r["max_logit_diff"] == 0.0 for r in results)
+
+
+def _gemma_where_te_is_installed() -> dict:
+    """Gemma 3 with use_te=None on a machine that has TE: torch-native layers, no TE import;
+    use_te=True is refused by name."""
+    from megatron_xdistill.models import build_gpt_model, builder
+    from megatron_xdistill.models.gemma3 import PostNormRowParallelLinear, ZeroCenteredRMSNorm
+    from megatron_xdistill.testing.tiny_gpt import init_model_parallel
+
+    info = model_info_from_hf(tiny_config("gemma3", vocab_size=1000))
+    init_model_parallel(1, 1, seed=7)
+    installed, builder.have_transformer_engine = builder.have_transformer_engine, lambda: True
+    try:
+        model = build_gpt_model(info, transformer_config(info))
+        try:
+            build_gpt_model(info, transformer_config(info), use_te=True)
+            refused = ""
+        except ValueError as exc:
+            refused = str(exc)
+    finally:
+        builder.have_transformer_engine = installed
+    layer = model.decoder.layers[0]
+    return {"norm": type(layer.input_layernorm) is ZeroCenteredRMSNorm,
+            "final": type(model.decoder.final_layernorm) is ZeroCenteredRMSNorm,
+            "post": type(layer.self_attention.linear_proj) is PostNormRowParallelLinear,
+            "refused": refused}
+
+
+def test_gemma3_builds_torch_native_layers_even_where_te_is_installed(pool):
+    out = pool.run(_gemma_where_te_is_installed)[0]
+    assert out["norm"] and out["final"] and out["post"]
+    assert "torch-native modules only" in out["refused"]
