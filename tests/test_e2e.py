@@ -135,6 +135,32 @@ def test_first_steps_match_reference(e2e_setup, e2e_reference, e2e_pool, name):
     assert not glob.glob("/dev/shm/xdistill_*"), "shared memory left behind by the run"
 
 
+def test_gemma3_teacher_in_parallel_layouts_matches_single_rank(e2e_setup, e2e_pool, tmp_path):
+    """A Gemma 3 teacher (262k SentencePiece vocabulary with byte fallback and <bos>; sliding
+    and global layers with their own RoPE) in TP2 x CP2 with the student at PP2 x DP2 gives the
+    single-rank run's losses."""
+    import shutil
+
+    from conversion.tiny_models import make_tiny_model
+    from megatron_xdistill.projection import BuildOptions, build_projection, save_projection
+
+    root, s_tok, _ = e2e_setup
+    g_tok = ASSETS / "tokenizers" / "gemma3"
+    (tmp_path / "student").symlink_to(root / "student")
+    shutil.copy(root / "train.jsonl", tmp_path / "train.jsonl")
+    hf = make_tiny_model("gemma3", str(tmp_path / "teacher_hf"), seed=5)
+    with RankPool(1) as pool:
+        pool.run(_convert, hf, str(tmp_path / "teacher"))
+    save_projection(build_projection(str(s_tok), str(g_tok), BuildOptions()),
+                    str(tmp_path / "proj.safetensors"))
+    reference = reference_losses(tmp_path, s_tok, g_tok)
+    assert all(kd > 0.05 for kd, _ in reference), reference  # a teacher worth matching
+    layout = ["--pipeline-model-parallel-size", "2", "--teacher-tensor-model-parallel-size", "2",
+              "--teacher-context-parallel-size", "2"]
+    e2e_pool.run(_run_main, _argv(tmp_path, s_tok, g_tok, "gemma_layout", layout))
+    assert_losses_match(_losses(tmp_path, "gemma_layout"), reference, "gemma3 teacher")
+
+
 def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
     root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2", "--save-interval", "1"]
