@@ -47,6 +47,11 @@ def local_cluster(num_nodes: int = 2, cpus_per_node: int = 2) -> Iterator[Path]:
     from ray.cluster_utils import Cluster
 
     temp_dir = Path(tempfile.mkdtemp(prefix="xd_ray_", dir="/tmp"))  # short: socket paths
+    # Ray (2.60) writes the cluster's address to <RAY_TMPDIR | TMPDIR | /tmp>/ray even when the
+    # head node has a temp_dir of its own, and fails when that folder does not exist yet (a
+    # fresh machine that never ran Ray).
+    system_temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+    os.makedirs(os.path.join(system_temp, "ray"), exist_ok=True)
     cluster = Cluster(initialize_head=False)
     try:
         cluster.add_node(num_cpus=cpus_per_node, include_dashboard=False,
