@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from test_disaggregated import check_stream_steps, stream_steps
 from test_transport import check_slot_steps, slot_steps
 
 from megatron_xdistill.testing.multirank import RankError, RankPool
@@ -32,6 +33,15 @@ def pool():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_ipc_between_two_processes_on_one_gpu(pool, dtype):
     check_slot_steps(pool.run(slot_steps, 4, dtype, "cuda"), dtype)
+
+
+def test_disaggregated_stream_over_cuda_ipc_on_one_gpu():
+    """Two teacher and two student processes on one GPU: the teachers write two steps ahead into
+    CUDA IPC slots, the students read them in place (zero-copy), signals over gloo."""
+    with RankPool(4) as ranks:
+        results = ranks.run(stream_steps, 2.0, 4, 60.0, [0, 0, 0, 0], "cuda", timeout=300)
+    check_stream_steps(results, 2.0, 4, "one_node")
+    assert [r["kind"] for r in results] == ["CUDA IPC"] * 4
 
 
 def _routed() -> dict:

@@ -12,7 +12,8 @@ batch), so every layout computes the same loss and gradients.
 
 Disaggregated placement (``--teacher-placement disaggregated --teacher-ranks N``): the last N
 ranks hold only the teacher (its layout spans those N ranks), the others only the student. Teacher
-ranks run step 1 and send the payloads without waiting (transport/stream.py), so they compute
+ranks run step 1 and send the payloads without waiting (transport.hybrid.RoutedStream: shared
+memory / CUDA IPC slots within a node, gloo / NCCL point-to-point across nodes), so they compute
 global batch k+1 while the student ranks run step 3 on batch k; student ranks receive batch k's
 payloads (posted one step ahead) and run step 3. The payloads are the same numbers as colocated,
 so are the losses.
@@ -56,6 +57,7 @@ from megatron_xdistill.parallel.layout import (  # noqa: E402
 from megatron_xdistill.parallel.placement import Placement  # noqa: E402
 from megatron_xdistill.training import arguments, kd_adapter  # noqa: E402
 from megatron_xdistill.transport.hybrid import (  # noqa: E402
+    RoutedStream,
     RoutedTransport,
     check_one_rank_per_gpu,
     gpu_of_ranks,
@@ -65,7 +67,6 @@ from megatron_xdistill.transport.routing import (  # noqa: E402
     student_replica_of,
     teacher_samples,
 )
-from megatron_xdistill.transport.stream import StreamingTransport  # noqa: E402
 
 
 @dataclass
@@ -197,15 +198,13 @@ class Distiller:
         self.ce_only = kd_adapter.trains_ce_only(args)
         self.has_teacher = placement.is_teacher(self.rank) and not self.ce_only
         # Disaggregated: each side's own "world" (checkpoint loads; the student's metrics and
-        # evaluation) and a group that carries only the teacher -> student payloads.
-        # None: the whole world.
-        self.student_world = self.teacher_world = transfer_group = None
+        # evaluation). None: the whole world.
+        self.student_world = self.teacher_world = None
         if placement.disaggregated:
-            if self.device.type == "cuda":  # the transfer group is NCCL: one rank per GPU
+            if self.device.type == "cuda":  # the world's group is NCCL: one rank per GPU
                 check_one_rank_per_gpu(range(world), gpu_of_ranks(self.device))
             self.student_world = dist.new_group(placement.student_global_ranks())
             self.teacher_world = dist.new_group(placement.teacher_global_ranks())
-            transfer_group = dist.new_group(list(range(world)))
             first_t = placement.teacher_offset
             log(f"> teacher placement disaggregated: student on ranks 0-{first_t - 1} "
                 f"({self._describe(self.student_layout)}), teacher on ranks {first_t}-{world - 1} "
@@ -241,12 +240,14 @@ class Distiller:
                                    placement.student_offset, placement.teacher_offset)
         self.transport = self.stream = None
         if placement.disaggregated:
-            self.stream = StreamingTransport(
-                self.routes, numel=self.kd.payload_numel, group=transfer_group,
+            self.stream = RoutedStream(
+                self.routes, numel=self.kd.payload_numel,
                 timeout_s=60.0 * args.distributed_timeout_minutes, device=self.device)
+            log(f"> teacher -> student payload routes: {self.stream.summary}")
         elif not self.ce_only:  # CE alone routes nothing
             self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
                                              device=self.device)
+            log(f"> teacher -> student payload routes: {self.transport.summary}")
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
         self.shipped_bytes_per_step = 0 if self.ce_only else self.kd.spec.nbytes * sum(
             1 for r in self.routes if r.src != r.dst)
@@ -573,8 +574,9 @@ class Distiller:
     def close(self) -> None:
         """Release the transport's shared buffers (shared memory, CUDA IPC); idempotent. Also
         on errors: a rank that stops early leaves no segment or mapping behind."""
-        if self.transport is not None:
-            self.transport.close()
+        for transport in (self.transport, self.stream):
+            if transport is not None:
+                transport.close()
 
 
 def is_training_checkpoint(path: str) -> bool:

@@ -3,9 +3,13 @@
 Node membership comes from torchrun's environment (``GROUP_RANK``, the node index), gathered once,
 so two torchrun "nodes" on one machine exercise the cross-node path. On CPU the same-node routes go
 through POSIX shared memory and the rest through gloo; with ``device`` a GPU they go through CUDA
-IPC and NCCL. Each node gets a gloo control group of its own (the per-step "written" barrier
-couples only the ranks of one node); the NCCL group holds only ranks with cross-node routes and
-is refused when two of them share a GPU (NCCL cannot connect them).
+IPC and NCCL. Each node gets a gloo control group of its own (the per-step signals couple only
+the ranks of one node); the NCCL group holds only ranks with cross-node routes and is refused when
+two of them share a GPU (NCCL cannot connect them).
+
+:class:`RoutedTransport` exchanges synchronously (colocated placement: every rank is a teacher and
+a student rank); :class:`RoutedStream` streams from teacher ranks that do not wait for their
+students (disaggregated placement).
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch.distributed as dist
 
 from megatron_xdistill.transport.gloo import P2PTransport
 from megatron_xdistill.transport.routing import Route
-from megatron_xdistill.transport.shm import SharedMemoryTransport
-from megatron_xdistill.transport.slots import SlotTransport
+from megatron_xdistill.transport.shm import SharedMemorySlots
+from megatron_xdistill.transport.slot_stream import SlotStream
+from megatron_xdistill.transport.slots import SlotMemory, SlotTransport
+from megatron_xdistill.transport.stream import P2PStream
 
 
 def node_of_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
@@ -62,6 +68,57 @@ def check_one_rank_per_gpu(ranks: Sequence[int], gpus: Sequence[str | None]) -> 
         seen[gpu] = rank
 
 
+def slot_memory(device: torch.device) -> SlotMemory:
+    """Where same-node slots live: CUDA IPC buffers on a GPU, POSIX shared memory on the CPU."""
+    if device.type == "cuda":
+        from megatron_xdistill.transport.cuda_ipc import CudaIpcSlots
+
+        return CudaIpcSlots(device)
+    return SharedMemorySlots()
+
+
+class _Split:
+    """The routes of a plan by locality, the node groups and the cross-node group (collective:
+    every rank of the world builds it, in the same order)."""
+
+    def __init__(self, routes: Sequence[Route], nodes: Sequence[int] | None,
+                 use_shared_memory: bool, device: torch.device) -> None:
+        self.rank = dist.get_rank()
+        gpu = device.type == "cuda"
+        control = dist.new_group(backend="gloo") if gpu else None  # host-side signals
+        self.nodes = list(nodes) if nodes is not None else node_of_ranks(control)
+        same_node = [r for r in routes if r.src != r.dst
+                     and self.nodes[r.src] == self.nodes[r.dst]] if use_shared_memory else []
+        shm_set = set(same_node)
+        self.local = [r for r in routes if r.src == r.dst]
+        self.same_node = same_node
+        self.remote = [r for r in routes if r.src != r.dst and r not in shm_set]
+        mine = self.nodes[self.rank]
+        self.node_routes: list[Route] = []  # this node's same-node routes
+        self.node_group: dist.ProcessGroup | None = None
+        for node in sorted(set(self.nodes)):  # every rank makes every node's group, in order
+            members = [r for r, n in enumerate(self.nodes) if n == node]
+            node_routes = [r for r in same_node if self.nodes[r.src] == node]
+            if not node_routes:
+                continue
+            group = dist.new_group(members, backend="gloo")
+            if node == mine:
+                self.node_routes, self.node_group = node_routes, group
+        # The cross-node group: exactly the ranks with cross-node routes (NCCL on GPUs).
+        self.p2p_members = sorted({r.src for r in self.remote} | {r.dst for r in self.remote})
+        self.p2p_group = None
+        if self.p2p_members:
+            if gpu:
+                check_one_rank_per_gpu(self.p2p_members, gpu_of_ranks(device, control))
+            self.p2p_group = dist.new_group(self.p2p_members, backend="nccl" if gpu else "gloo")
+
+    def describe(self, memory_kind: str, p2p_kind: str) -> str:
+        """One line for the log: how many routes take which path (the same on every rank)."""
+        return (f"{len(self.local)} in-process, {len(self.same_node)} within a node "
+                f"({memory_kind}), {len(self.remote)} across nodes ({p2p_kind}) over "
+                f"{len(set(self.nodes))} node(s)")
+
+
 class RoutedTransport:
     """One step's payload exchange along a routing plan, split by locality.
 
@@ -76,45 +133,19 @@ class RoutedTransport:
         self.rank = dist.get_rank()
         self.numel, self.dtype = numel, dtype
         self.device = torch.device(device)
-        gpu = self.device.type == "cuda"
-        control = dist.new_group(backend="gloo") if gpu else None  # host-side signals
-        nodes = list(nodes) if nodes is not None else node_of_ranks(control)
-
-        same_node = [r for r in routes if r.src != r.dst and nodes[r.src] == nodes[r.dst]]
-        if not use_shared_memory:
-            same_node = []
-        shm_set = set(same_node)
-        self.local = [r for r in routes if r.src == r.dst]
-        self.remote = [r for r in routes if r.src != r.dst and r not in shm_set]
+        split = _Split(routes, nodes, use_shared_memory, self.device)
+        self.local, self.remote = split.local, split.remote
         self.shm: SlotTransport | None = None
-        mine = nodes[self.rank]
-        for node in sorted(set(nodes)):  # every rank makes every node's group, in order
-            members = [r for r, n in enumerate(nodes) if n == node]
-            node_routes = [r for r in same_node if nodes[r.src] == node]
-            if not node_routes:
-                continue
-            group = dist.new_group(members, backend="gloo")
-            if node == mine:
-                self.shm = self._same_node(node_routes, group)
-        p2p_group = None
-        members = sorted({r.src for r in self.remote} | {r.dst for r in self.remote})
-        if gpu and members:
-            check_one_rank_per_gpu(members, gpu_of_ranks(self.device, control))
-            p2p_group = dist.new_group(members, backend="nccl")
-        self.p2p = P2PTransport(self.remote, group=p2p_group, device=self.device)
+        if split.node_routes:
+            self.shm = SlotTransport(split.node_routes, numel, dtype, slot_memory(self.device),
+                                     split.node_group)
+        self.p2p = P2PTransport(self.remote, group=split.p2p_group, device=self.device)
         self.bytes_moved = 0
         self.seconds = 0.0
         itemsize = torch.empty((), dtype=dtype).element_size()
         self._moved_per_step = sum(1 for r in routes if r.src == self.rank and r.dst != self.rank
                                    ) * numel * itemsize
-
-    def _same_node(self, routes: list[Route], group: dist.ProcessGroup) -> SlotTransport:
-        if self.device.type == "cuda":
-            from megatron_xdistill.transport.cuda_ipc import CudaIpcTransport
-
-            return CudaIpcTransport(routes, self.numel, self.dtype, group=group,
-                                    device=self.device)
-        return SharedMemoryTransport(routes, self.numel, self.dtype, group=group)
+        self.summary = split.describe(slot_memory_kind(self.device), p2p_kind(self.device))
 
     @property
     def same_node_kind(self) -> str | None:
@@ -135,3 +166,90 @@ class RoutedTransport:
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
+
+
+def slot_memory_kind(device: torch.device) -> str:
+    return "CUDA IPC" if device.type == "cuda" else "shared memory"
+
+
+def p2p_kind(device: torch.device) -> str:
+    return "NCCL" if device.type == "cuda" else "gloo"
+
+
+class RoutedStream:
+    """Disaggregated teacher -> student payloads along a routing plan, split by locality: routes
+    within a node through slot memory (:class:`~.slot_stream.SlotStream`: shared memory on CPU,
+    CUDA IPC on GPUs), routes across nodes point-to-point (:class:`~.stream.P2PStream`: gloo,
+    NCCL on GPUs). No route may stay on one rank (teacher and student ranks differ).
+
+    Same calls as either part: teacher ranks :meth:`send` each step without waiting for the
+    students (two steps in flight at most); student ranks :meth:`prefetch` / :meth:`receive`.
+    Construction is collective over the whole world.
+    """
+
+    def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype = torch.float32,
+                 nodes: Sequence[int] | None = None, use_shared_memory: bool = True,
+                 device: torch.device | str = "cpu", timeout_s: float = 600.0,
+                 num_stats: int = 1) -> None:
+        local = [r for r in routes if r.src == r.dst]
+        if local:
+            raise ValueError(f"RoutedStream moves payloads between different ranks; "
+                             f"{len(local)} route(s) stay on one rank (e.g. {local[0]})")
+        self.rank = dist.get_rank()
+        self.device = torch.device(device)
+        self.num_stats = num_stats
+        split = _Split(routes, nodes, use_shared_memory, self.device)
+        self.slots: SlotStream | None = None
+        if split.node_routes:
+            self.slots = SlotStream(split.node_routes, numel, dtype, slot_memory(self.device),
+                                    split.node_group, timeout_s=timeout_s, num_stats=num_stats)
+        mine = self.rank in split.p2p_members
+        self.p2p = P2PStream(split.remote if mine else [], numel, dtype,
+                             group=split.p2p_group, timeout_s=timeout_s, num_stats=num_stats,
+                             device=self.device)
+        self.summary = split.describe(slot_memory_kind(self.device), p2p_kind(self.device))
+
+    @property
+    def same_node_kind(self) -> str | None:
+        """"shared memory", "CUDA IPC", or None when this rank's node has no such routes."""
+        return None if self.slots is None else self.slots.memory.kind
+
+    @property
+    def seconds(self) -> float:
+        """Time spent in the transport (writing, posting, waiting) on this rank."""
+        return self.p2p.seconds + (self.slots.seconds if self.slots is not None else 0.0)
+
+    def send(self, step: int, outgoing: dict[int, torch.Tensor],
+             stats: Sequence[float] = ()) -> None:
+        """Teacher rank: post ``step``'s payloads (by sample); see the parts' ``send``."""
+        if self.slots is not None:
+            self.slots.send(step, outgoing, stats)
+        self.p2p.send(step, outgoing, stats)
+
+    def prefetch(self, step: int) -> None:
+        """Student rank: post the receives of ``step`` (idempotent)."""
+        if self.slots is not None:
+            self.slots.prefetch(step)
+        self.p2p.prefetch(step)
+
+    def receive(self, step: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Student rank: ``step``'s payloads by sample (valid until ``prefetch(step + 2)``) and
+        the senders' stats ``[senders, num_stats]``."""
+        self.prefetch(step)  # both parts' receives in flight before waiting for either
+        received, stats = self.p2p.receive(step)
+        if self.slots is not None:
+            near, near_stats = self.slots.receive(step)
+            received.update(near)
+            stats = torch.cat([stats, near_stats])
+        return received, stats
+
+    def finish(self) -> None:
+        """Wait for every transfer and signal still in flight (before shutdown)."""
+        if self.slots is not None:
+            self.slots.finish()
+        self.p2p.finish()
+
+    def close(self) -> None:
+        """Release the slot buffers (shared memory, CUDA IPC mappings); idempotent."""
+        if self.slots is not None:
+            self.slots.close()

@@ -1,7 +1,9 @@
-"""Disaggregated teacher -> student payloads: non-blocking, double-buffered point-to-point.
+"""Disaggregated teacher -> student payloads across nodes: non-blocking, double-buffered p2p.
 
 With ``--teacher-placement disaggregated`` teacher ranks and student ranks are different
-processes, so the teacher can compute global batch k+1 while the student trains on batch k:
+processes, so the teacher can compute global batch k+1 while the student trains on batch k.
+:class:`P2PStream` carries the routes between nodes (ranks of one node use the slot stream of
+:mod:`.slot_stream`; :class:`~.hybrid.RoutedStream` picks per route):
 
 * the teacher packs the rows it owes each student rank into a persistent send buffer (one per
   destination and slot, slot = step % 2) and posts non-blocking sends, then moves on to the next
@@ -21,7 +23,6 @@ NCCL between GPUs, where ``device`` puts the buffers on this rank's GPU).
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Sequence
 
@@ -29,21 +30,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_xdistill.transport.routing import Route
+from megatron_xdistill.transport.waits import wait_works
 
 NUM_SLOTS = 2
 
 
-class PayloadStreamError(RuntimeError):
-    """A payload transfer failed or timed out; the message names the rank, step and peers."""
-
-
-class StreamingTransport:
+class P2PStream:
     """Moves one step's payloads from teacher ranks to student ranks without blocking the sender.
 
     ``routes`` is the routing plan (every rank passes the same one; no route may stay on one
     rank). ``numel``/``dtype`` give one sample's payload, ``num_stats`` the floats of the sender's
     trailer. ``group`` carries only these transfers (a dedicated group keeps them apart from the
-    models' collectives); construction is collective over it. ``timeout_s`` bounds every wait.
+    models' collectives) and holds exactly the ranks that have routes; construction is collective
+    over it (a rank without routes does nothing). ``timeout_s`` bounds every wait.
     """
 
     def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype = torch.float32,
@@ -51,7 +50,7 @@ class StreamingTransport:
                  num_stats: int = 1, device: torch.device | str = "cpu") -> None:
         local = [r for r in routes if r.src == r.dst]
         if local:
-            raise ValueError(f"StreamingTransport moves payloads between different ranks; "
+            raise ValueError(f"P2PStream moves payloads between different ranks; "
                              f"{len(local)} route(s) stay on one rank (e.g. {local[0]})")
         self.rank = dist.get_rank()
         self.numel, self.dtype, self.group = numel, dtype, group
@@ -73,7 +72,8 @@ class StreamingTransport:
         self._sends: list[tuple[int, list]] = [(-1, []) for _ in range(NUM_SLOTS)]
         self._recvs: dict[int, list] = {}  # step -> works of its posted receives
         self.seconds = 0.0  # spent in this object (packing, posting, waiting)
-        dist.barrier(group=group)  # every rank has its buffers (and NCCL its communicator)
+        if self.send_to or self.recv_from:  # every rank has its buffers (and NCCL its communicator)
+            dist.barrier(group=group)
 
     # ---------------------------------------------------------------- sender (teacher ranks)
     def send(self, step: int, outgoing: dict[int, torch.Tensor],
@@ -141,22 +141,7 @@ class StreamingTransport:
 
     # ---------------------------------------------------------------- both
     def _wait(self, works: list, step: int, what: str) -> None:
-        """Wait for ``works`` (posted for ``step``) within the timeout, or raise naming them."""
-        if not works:
-            return
-        deadline = time.monotonic() + self.timeout_s
-        for work in works:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                work.wait(datetime.timedelta(seconds=left))
-            except Exception as exc:  # noqa: BLE001 - backends raise RuntimeError subclasses
-                timed_out = time.monotonic() >= deadline
-                raise PayloadStreamError(
-                    f"rank {self.rank}: step {step}: {what} "
-                    + (f"did not complete within {self.timeout_s:.0f} s (a peer rank stopped, "
-                       f"hangs or fell behind; see its log; the limit is "
-                       f"--distributed-timeout-minutes)" if timed_out else f"failed: {exc}")
-                ) from exc
+        wait_works(works, self.timeout_s, self.rank, step, what)
 
     def finish(self) -> None:
         """Wait for every posted send and receive (call before shutdown or a checkpoint that
