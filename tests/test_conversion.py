@@ -173,3 +173,34 @@ def test_failed_writes_leave_nothing(pool, tiny_root, smollm2_ckpt):
     errors = pool.run(_export_error, ckpt, out, str(template))
     assert all("describes another model" in e for e in errors), errors
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
+
+
+def _verify_error(hf_dir: str, ckpt: str) -> str:
+    try:
+        verify_conversion(hf_dir, ckpt, 1, 1, 1, 16, 0, False)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_verify_accepts_another_stored_dtype_and_names_real_differences(pool, tiny_root):
+    """An fp32 export of bf16 weights is the same model (verify runs both in fp32); a real
+    architecture difference is refused naming the field and both values."""
+    import json
+
+    hf_dir = make_tiny_model("qwen3", str(tiny_root / "qwen3_bf16"), None, seed=6)
+    ckpt = str(tiny_root / "qwen3_bf16_mcore")
+    pool.run(convert_hf_to_mcore, hf_dir, ckpt, 1, 1)
+    exported = str(tiny_root / "qwen3_fp32_hf")
+    pool.run(convert_mcore_to_hf, ckpt, exported, None, "fp32")
+    metrics = pool.run(verify_conversion, exported, ckpt, 2, 1, 2, 32, 0, False)[0]
+    _assert_matches_hf(metrics, "fp32 export of bf16 weights")
+
+    other = tiny_root / "qwen3_other_eps"
+    shutil.copytree(exported, other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-3
+    (other / "config.json").write_text(json.dumps(config))
+    errors = pool.run(_verify_error, str(other), ckpt)
+    assert all("describe different models: norm_epsilon:" in e and "0.001" in e
+               for e in errors), errors

@@ -110,6 +110,14 @@ class ModelInfo:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def differences(self, other: ModelInfo, ignore: tuple[str, ...] = ()) -> list[str]:
+        """``"field: mine != theirs"`` for every compared field that differs (``ignore``: fields
+        that may differ, e.g. ``hf_dtype`` when the same weights are stored in another dtype)."""
+        return [f"{f.name}: {getattr(self, f.name)!r} != {getattr(other, f.name)!r}"
+                for f in dataclasses.fields(self)
+                if f.compare and f.name not in ignore
+                and getattr(self, f.name) != getattr(other, f.name)]
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
         data = dict(data)
