@@ -12,14 +12,18 @@ cross-tokenizer loss's forward + recomputing backward, part of ``student``.
 Models, checkpoints and the projection are fetched/converted/built once and cached
 (``megatron_xdistill.assets.cache_dir``). Measured on 2 CPU cores (s per step, steps 2..5):
 
-  placement      payload               teacher  route  student (loss)  optim  wall  tokens/s  B/token
-  colocated      chunk top-64 + tail     6.79   0.01     5.16  (0.40)   0.76  12.77      40       524
-  disaggregated  chunk top-64 + tail    10.83   0.00     8.66  (0.31)   0.52   9.19      56       524
-  colocated      full vocabulary         8.36   0.21     6.68  (1.35)   0.78  16.04      32   612,496
+  placement      payload               teacher  route  student (loss)  optim   wall  tokens/s  B/token
+  colocated      chunk top-64 + tail     6.64   0.01     4.52  (0.24)   0.66  11.86        43       524
+  colocated      full vocabulary         8.34   0.10     6.96  (1.90)   0.88  16.38        31   612,496
+  disaggregated  chunk top-64 + tail    11.50   2.75     7.81  (0.33)   0.57  11.13        46       524
+  disaggregated  full vocabulary        11.76   0.00    10.94  (3.18)   0.60  11.56        44   612,496
 
-Disaggregated = 1 teacher rank + 1 student rank: the teacher's forward of step k+1 overlaps the
-student's step k, 1.39x the colocated tokens/s here (over 4 steps the teacher's one-batch head
-start also hides some of its time; the steady state is bounded by the slower side, ~10.8 s).
+Disaggregated = 1 teacher rank + 1 student rank (one node: payloads through shared-memory
+slots): the teacher's forward of step k+1 overlaps the student's step k, so a step costs the
+slower side, not the sum. With full-vocabulary payloads the student is the slower side (the
+teacher keeps ahead, route 0.00 s: 1.42x colocated tokens/s); with compact ones the single
+teacher rank is (the student waits 2.75 s for it: 1.07x). Give the teacher more ranks
+(--teacher-ranks) until the two sides balance.
 """
 
 from __future__ import annotations
