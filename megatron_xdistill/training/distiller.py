@@ -243,11 +243,12 @@ class Distiller:
             self.stream = RoutedStream(
                 self.routes, numel=self.kd.payload_numel,
                 timeout_s=60.0 * args.distributed_timeout_minutes, device=self.device)
-            log(f"> teacher -> student payload routes: {self.stream.summary}")
         elif not self.ce_only:  # CE alone routes nothing
             self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
                                              device=self.device)
-            log(f"> teacher -> student payload routes: {self.transport.summary}")
+        routed = self.stream if self.stream is not None else self.transport
+        if routed is not None:
+            log(f"> teacher -> student payload routes: {routed.summary}")
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
         self.shipped_bytes_per_step = 0 if self.ce_only else self.kd.spec.nbytes * sum(
             1 for r in self.routes if r.src != r.dst)

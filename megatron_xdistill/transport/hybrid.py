@@ -68,13 +68,18 @@ def check_one_rank_per_gpu(ranks: Sequence[int], gpus: Sequence[str | None]) -> 
         seen[gpu] = rank
 
 
-def slot_memory(device: torch.device) -> SlotMemory:
-    """Where same-node slots live: CUDA IPC buffers on a GPU, POSIX shared memory on the CPU."""
+def _slot_memory_class(device: torch.device) -> type:
     if device.type == "cuda":
         from megatron_xdistill.transport.cuda_ipc import CudaIpcSlots
 
-        return CudaIpcSlots(device)
-    return SharedMemorySlots()
+        return CudaIpcSlots
+    return SharedMemorySlots
+
+
+def slot_memory(device: torch.device) -> SlotMemory:
+    """Where same-node slots live: CUDA IPC buffers on a GPU, POSIX shared memory on the CPU."""
+    memory_class = _slot_memory_class(device)
+    return memory_class(device) if device.type == "cuda" else memory_class()
 
 
 class _Split:
@@ -83,8 +88,10 @@ class _Split:
 
     def __init__(self, routes: Sequence[Route], nodes: Sequence[int] | None,
                  use_shared_memory: bool, device: torch.device) -> None:
-        self.rank = dist.get_rank()
+        rank = dist.get_rank()
+        self.device = device
         gpu = device.type == "cuda"
+        self.p2p_backend = "nccl" if gpu else "gloo"
         control = dist.new_group(backend="gloo") if gpu else None  # host-side signals
         self.nodes = list(nodes) if nodes is not None else node_of_ranks(control)
         same_node = [r for r in routes if r.src != r.dst
@@ -93,7 +100,7 @@ class _Split:
         self.local = [r for r in routes if r.src == r.dst]
         self.same_node = same_node
         self.remote = [r for r in routes if r.src != r.dst and r not in shm_set]
-        mine = self.nodes[self.rank]
+        mine = self.nodes[rank]
         self.node_routes: list[Route] = []  # this node's same-node routes
         self.node_group: dist.ProcessGroup | None = None
         for node in sorted(set(self.nodes)):  # every rank makes every node's group, in order
@@ -110,13 +117,14 @@ class _Split:
         if self.p2p_members:
             if gpu:
                 check_one_rank_per_gpu(self.p2p_members, gpu_of_ranks(device, control))
-            self.p2p_group = dist.new_group(self.p2p_members, backend="nccl" if gpu else "gloo")
+            self.p2p_group = dist.new_group(self.p2p_members, backend=self.p2p_backend)
 
-    def describe(self, memory_kind: str, p2p_kind: str) -> str:
+    def describe(self) -> str:
         """One line for the log: how many routes take which path (the same on every rank)."""
         return (f"{len(self.local)} in-process, {len(self.same_node)} within a node "
-                f"({memory_kind}), {len(self.remote)} across nodes ({p2p_kind}) over "
-                f"{len(set(self.nodes))} node(s)")
+                f"({_slot_memory_class(self.device).kind}), {len(self.remote)} across nodes "
+                f"({self.p2p_backend.replace('nccl', 'NCCL')}) over {len(set(self.nodes))} "
+                f"node(s)")
 
 
 class RoutedTransport:
@@ -145,7 +153,7 @@ class RoutedTransport:
         itemsize = torch.empty((), dtype=dtype).element_size()
         self._moved_per_step = sum(1 for r in routes if r.src == self.rank and r.dst != self.rank
                                    ) * numel * itemsize
-        self.summary = split.describe(slot_memory_kind(self.device), p2p_kind(self.device))
+        self.summary = split.describe()
 
     @property
     def same_node_kind(self) -> str | None:
@@ -166,14 +174,6 @@ class RoutedTransport:
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
-
-
-def slot_memory_kind(device: torch.device) -> str:
-    return "CUDA IPC" if device.type == "cuda" else "shared memory"
-
-
-def p2p_kind(device: torch.device) -> str:
-    return "NCCL" if device.type == "cuda" else "gloo"
 
 
 class RoutedStream:
@@ -197,7 +197,6 @@ class RoutedStream:
                              f"{len(local)} route(s) stay on one rank (e.g. {local[0]})")
         self.rank = dist.get_rank()
         self.device = torch.device(device)
-        self.num_stats = num_stats
         split = _Split(routes, nodes, use_shared_memory, self.device)
         self.slots: SlotStream | None = None
         if split.node_routes:
@@ -207,17 +206,12 @@ class RoutedStream:
         self.p2p = P2PStream(split.remote if mine else [], numel, dtype,
                              group=split.p2p_group, timeout_s=timeout_s, num_stats=num_stats,
                              device=self.device)
-        self.summary = split.describe(slot_memory_kind(self.device), p2p_kind(self.device))
+        self.summary = split.describe()
 
     @property
     def same_node_kind(self) -> str | None:
         """"shared memory", "CUDA IPC", or None when this rank's node has no such routes."""
         return None if self.slots is None else self.slots.memory.kind
-
-    @property
-    def seconds(self) -> float:
-        """Time spent in the transport (writing, posting, waiting) on this rank."""
-        return self.p2p.seconds + (self.slots.seconds if self.slots is not None else 0.0)
 
     def send(self, step: int, outgoing: dict[int, torch.Tensor],
              stats: Sequence[float] = ()) -> None:
