@@ -24,16 +24,66 @@ slower side, not the sum. With full-vocabulary payloads the student is the slowe
 teacher keeps ahead, route 0.00 s: 1.42x colocated tokens/s); with compact ones the single
 teacher rank is (the student waits 2.75 s for it: 1.07x). Give the teacher more ranks
 (--teacher-ranks) until the two sides balance.
+
+On one H100 (bf16, torch-native layers: TransformerEngine is not installed there; the demo pair's
+published architectures with random weights, ``--device cuda --random-weights --nproc 1 --bf16
+--seq-length 2048 --micro-batch-size 2 --global-batch-size 8 --kd-topk 64``, steps 2..5):
+
+  placement   payload               teacher  route  student (loss)  optim   wall  tokens/s  B/token
+  colocated   chunk top-64 + tail      0.81   0.00     1.55  (0.55)   0.01   2.38     6,901      520
+
+The step costs the sum of its phases (2.38 s vs 0.81 + 1.55 + 0.01 = 2.37: ratio 1.00); the
+cross-tokenizer loss is 23% of it (see bench_loss.py's GPU table). On CUDA the phase clocks
+synchronise the device at each boundary, so the split is of GPU time too.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 PHASES = ("teacher", "route", "student", "loss", "optimizer")
+
+# The demo pair's published architectures (SmolLM2-135M, Qwen2.5-Coder-0.5B) for --random-weights.
+DEMO_CONFIGS = {
+    "smollm2-135m": ("smollm2", {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": 1, "eos_token_id": 2}),
+    "qwen2.5-coder-0.5b": ("qwen2", {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+        "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+        "hidden_act": "silu", "use_sliding_window": False, "sliding_window": 32768,
+        "max_window_layers": 21, "bos_token_id": 151643, "eos_token_id": 151645}),
+}
+
+
+def write_random_demo_models(cache: Path, tokenizers: Path) -> None:
+    """HF folders of the demo pair under ``cache/models`` (where ``fetch_model`` looks): the
+    published architecture, random bf16 weights, the shared tokenizer of the family."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name, (tokenizer, config) in DEMO_CONFIGS.items():
+        if not (tokenizers / tokenizer).is_dir():
+            raise SystemExit(f"--random-weights: tokenizer folder {tokenizers / tokenizer} not "
+                             f"found (pass --tokenizers DIR holding {tokenizer}/)")
+        out = cache / "models" / name
+        shutil.copytree(tokenizers / tokenizer, out)
+        (out / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out),
+                                                 dtype=torch.bfloat16)
+        model.save_pretrained(out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +97,21 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["colocated", "disaggregated"])
     parser.add_argument("--teacher-ranks", type=int, default=1,
                         help="disaggregated: ranks that serve the teacher (its TP size here)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one rank per GPU (--nproc at most the GPUs), NCCL")
+    parser.add_argument("--bf16", action="store_true", help="train in bf16 (Megatron's --bf16)")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="default 2 x --nproc")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the demo models' published architectures with random weights and "
+                             "the shared tokenizers (--tokenizers), for machines that cannot "
+                             "fetch the models: step time does not depend on the weights' values")
+    parser.add_argument("--tokenizers", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "shared" / "assets"
+                        / "tokenizers", help="with --random-weights: the shared tokenizers")
     args = parser.parse_args(argv)
+    args.global_batch_size = args.global_batch_size or 2 * args.nproc
     if args.train_iters < 2:
         parser.error("--train-iters must be >= 2 (the first step is left out)")
 
@@ -57,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         prepare_models,
     )
 
-    models = prepare_models(TEACHER, STUDENT)
     work = Path(tempfile.mkdtemp(prefix="xdistill-bench-step-"))
+    if args.random_weights:
+        write_random_demo_models(work / "assets", args.tokenizers)
+        os.environ["XDISTILL_ASSETS"] = str(work / "assets")
+    models = prepare_models(TEACHER, STUDENT)
     rows = []
     try:
         train, _ = write_stdlib_corpus(work / "data")
@@ -70,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     t_ranks = args.teacher_ranks
-    print(f"\n{TEACHER} -> {STUDENT}, {args.nproc} CPU ranks, global batch {2 * args.nproc} x "
+    where = "GPU" if args.device == "cuda" else "CPU"
+    weights = ", random weights" if args.random_weights else ""
+    print(f"\n{TEACHER} -> {STUDENT}{weights}, {args.nproc} {where} ranks, "
+          f"{'bf16' if args.bf16 else 'fp32'}, global batch {args.global_batch_size} x "
           f"{args.seq_length} tokens; mean of steps 2..{args.train_iters} (s). colocated: every "
           f"rank runs both (student DP={args.nproc}, teacher TP={args.nproc}); disaggregated: "
           f"{t_ranks} teacher rank(s) (TP={t_ranks}), {args.nproc - t_ranks} student rank(s) "
@@ -98,11 +168,15 @@ def _measure(args, models, train: Path, work: Path, placement: str, topk: int):
     cmd = pretrain_command(models, args.nproc, {
         **layout, "data-path": train, "seq-length": args.seq_length,
         "teacher-seq-length": args.seq_length + args.seq_length // 4,
-        "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
+        "micro-batch-size": args.micro_batch_size, "global-batch-size": args.global_batch_size,
+        "bf16": args.bf16,
         "train-iters": args.train_iters, "lr": "3e-5", "kd-loss": "pkl",
         "kd-topk": topk, "kd-weight": "1.0", "ce-weight": "0.1", "log-interval": 1,
         "metrics-file": metrics, "num-workers": 1, "data-cache-path": work / "data_cache"})
-    run_command(cmd, env=cpu_env(1), stdout_path=work / f"log-{placement}-{topk}.txt")
+    env = cpu_env(1)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    run_command(cmd, env=env, stdout_path=work / f"log-{placement}-{topk}.txt")
     steps = [r for r in read_metrics(metrics) if "kd" in r][1:]
     mean = {p: sum(r[f"time_{p}"] for r in steps) / len(steps) for p in PHASES}
     tok_s = sum(r["tokens_per_s"] for r in steps) / len(steps)

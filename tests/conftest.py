@@ -1,17 +1,53 @@
-"""Shared test configuration: ``gpu``-marked tests are skipped on machines without CUDA; the
-end-to-end setup (tiny converted models, projection, text) and its single-rank reference losses
-are built once per session for every module that trains (test_e2e, test_disaggregated)."""
+"""Shared test configuration.
+
+Device: a session that selects ``gpu``-marked tests (``-m gpu``, ``make test-gpu``) runs on the
+GPU; any other session (``make test``) is the CPU suite and hides CUDA from itself and every rank
+it starts (``CUDA_VISIBLE_DEVICES=""``), so it computes exactly what it computes on a machine
+without a GPU (gloo ranks, CPU numerics and tolerances), wherever it runs. Its gpu-marked tests
+are skipped with a reason that names ``make test-gpu``.
+
+The end-to-end setup (tiny converted models, projection, text) and its single-rank reference
+losses are built once per session for every module that trains (test_e2e, test_disaggregated).
+"""
 
 from __future__ import annotations
+
+import os
+import re
 
 import pytest
 import torch
 
+_GPU_SESSION = False
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """True when a ``-m`` expression asks for gpu-marked tests (``gpu``, ``gpu and not slow``),
+    not when it only excludes them (``not gpu``) or does not name them (``not slow``)."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
+
+
+def pytest_configure(config) -> None:
+    global _GPU_SESSION
+    _GPU_SESSION = selects_gpu_tests(config.option.markexpr)
+    if not _GPU_SESSION:
+        # Before anything initialises CUDA here; the ranks and subprocesses inherit it.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_report_header(config) -> str:
+    if _GPU_SESSION:
+        return f"xdistill: GPU session (CUDA available: {torch.cuda.is_available()})"
+    return ("xdistill: CPU session, CUDA hidden (CUDA_VISIBLE_DEVICES=''); the gpu-marked tests "
+            "run with `make test-gpu` (pytest -m gpu)")
+
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if torch.cuda.is_available():
+    if _GPU_SESSION and torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    reason = ("needs a CUDA GPU" if _GPU_SESSION else
+              "gpu test in the CPU session: run `make test-gpu` (pytest -m gpu) on a GPU machine")
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -14,7 +14,7 @@ over CP before use; the lowest CP rank holding a split chunk "owns" it (counts i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -50,6 +50,13 @@ class ChunkRows:
     @property
     def num_rows(self) -> int:
         return int(self.keys.numel())
+
+    def to(self, device: torch.device) -> ChunkRows:
+        """These rows with every tensor on ``device``: moved once per loss call, so that the
+        loss indexes the logits' device with indices on that device (CUDA refuses a mix)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
     @property
     def local_rows(self) -> torch.Tensor:

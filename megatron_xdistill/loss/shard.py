@@ -54,7 +54,8 @@ class ProjectionShard:
         self.student, self.teacher, self.value = rows, cols, vals  # row-major nonzeros
         self.csr_student, self.csr_value = rows[order], vals[order]
         counts = torch.bincount(cols, minlength=self.teacher_vocab_size)
-        self.crow = torch.zeros(self.teacher_vocab_size + 1, dtype=torch.int64)
+        self.crow = torch.zeros(self.teacher_vocab_size + 1, dtype=torch.int64,
+                                device=self.indices.device)
         self.crow[1:] = torch.cumsum(counts, 0)
 
     @property

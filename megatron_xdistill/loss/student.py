@@ -425,7 +425,7 @@ def parallel_kd_loss(
             payload, student_chunk_id, chunk_valid, chunk_exact, projection, mode, reverse,
             exact_only, common_student_ids, uncommon_topk, student_vocab_size, vocab_start,
             v_local, num_real, tp_group, cp_group, max_block, dev, kernel_class)
-    plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
+    plan = _Plan(rows=rows.to(dev), kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows))
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)

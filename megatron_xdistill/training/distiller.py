@@ -92,6 +92,14 @@ class PhaseTimes:
         return out
 
 
+def _now(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work: CUDA kernels run
+    asynchronously, so without the sync a phase's GPU time would be billed to the next phase."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class _LossClockStop(torch.autograd.Function):
     """Identity on the logits; its backward runs after the loss's own backward: clock stops."""
 
@@ -102,7 +110,7 @@ class _LossClockStop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.times.loss += time.perf_counter() - ctx.clock.started
+        ctx.clock.times.loss += _now(grad.device) - ctx.clock.started
         return grad, None
 
 
@@ -116,7 +124,7 @@ class _LossClockStart(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.clock.started = time.perf_counter()
+        ctx.clock.started = _now(grad.device)
         return grad, None
 
 
@@ -388,7 +396,7 @@ class Distiller:
         """This rank's share of the global-batch loss (normalised by global counts)."""
         layout = self.student_layout
         clock = self._loss_clock
-        t0 = time.perf_counter()
+        t0 = _now(self.device)
         terms = self.kd.student_terms(clock.enter(logits), batch, with_kd=not self.ce_only)
         args = self.args
         loss, _ = total_loss(terms, kd_weight=args.kd_weight, ce_weight=args.ce_weight,
@@ -400,7 +408,7 @@ class Distiller:
         report = torch.stack([terms.kd_sum.detach().double() / max(n_chunks, 1.0),
                               terms.ce_sum.detach().double() / max(n_tokens, 1.0),
                               terms.top1.double()])
-        self.times.loss += time.perf_counter() - t0
+        self.times.loss += _now(self.device) - t0
         return scaled, torch.tensor(1, dtype=torch.int), {"report": report}
 
     # ------------------------------------------------------------------ public
@@ -417,12 +425,12 @@ class Distiller:
         if not self.has_student:
             return self._teacher_only_step(step, samples)
         teacher_seconds = 0.0
-        t0 = t1 = time.perf_counter()
+        t0 = t1 = _now(self.device)
         if self.ce_only:
             payloads = {}
         elif self.stream is None:  # colocated: this rank runs its teacher shard first
             outgoing = self._teacher_forward(samples)
-            t1 = time.perf_counter()
+            t1 = _now(self.device)
             self.times.teacher += t1 - t0
             sender = {i: p for i, p in outgoing.items()
                       if self.teacher_groups.coords["tp"] == 0
@@ -434,24 +442,24 @@ class Distiller:
                 self.stream.prefetch(step + 1)
             if len(stats):
                 teacher_seconds = float(stats[:, 0].max())
-        t2 = time.perf_counter()
+        t2 = _now(self.device)
         self.times.route += t2 - t1
         return self._student_step(samples, payloads, teacher_seconds)
 
     def _teacher_only_step(self, step: int, samples: dict[int, dict]) -> dict[str, float]:
         """Disaggregated teacher rank: forward, then send without waiting for the students."""
-        t0 = time.perf_counter()
+        t0 = _now(self.device)
         outgoing = self._teacher_forward(samples)
-        t1 = time.perf_counter()
+        t1 = _now(self.device)
         self.stream.send(step, outgoing, stats=[t1 - t0])
         self.times.teacher += t1 - t0
-        self.times.route += time.perf_counter() - t1
+        self.times.route += _now(self.device) - t1
         return {}
 
     def _student_step(self, samples: dict[int, dict], payloads: dict[int, torch.Tensor],
                       teacher_seconds: float) -> dict[str, float]:
         """Student forward/backward and optimizer step, given this rank's payloads."""
-        t2 = time.perf_counter()
+        t2 = _now(self.device)
         n_chunks, n_tokens = self._global_counts(samples)
         batches = self._student_microbatches(samples, payloads)
         groups = self.student_groups
@@ -473,11 +481,11 @@ class Distiller:
                                              config=self.student_config),
             pg_collection=groups.pg_collection,
         )
-        t3 = time.perf_counter()
+        t3 = _now(self.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        t4 = time.perf_counter()
+        t4 = _now(self.device)
         self.times.student += t3 - t2
         self.times.optimizer += t4 - t3
         report = torch.zeros(4, dtype=torch.float64, device=self.device)
