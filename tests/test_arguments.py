@@ -112,3 +112,35 @@ def test_disaggregated_placement_splits_the_world(base):
 def test_bad_disaggregated_placements_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):
         parse_args(base + extra, world_size=world)
+
+
+def test_teacher_cache_arguments(base, tmp_path):
+    import json
+
+    def without_teacher(argv):
+        at = argv.index("--teacher-load")
+        return argv[:at] + argv[at + 2:]
+
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match="--teacher-load is required"):
+        parse_args(without_teacher(base), world_size=1)
+    with pytest.raises(ValueError, match="--teacher-cache-only needs --teacher-cache DIR"):
+        parse_args(base + ["--teacher-cache-only"], world_size=1)
+    with pytest.raises(ValueError, match=r"is not complete: filling it needs the teacher"):
+        parse_args(without_teacher(base) + ["--teacher-cache", str(cache)], world_size=1)
+    with pytest.raises(ValueError, match="CE alone uses no teacher payloads"):
+        parse_args(base + ["--teacher-cache", str(cache), "--kd-weight", "0",
+                           "--ce-weight", "1"], world_size=1)
+    with pytest.raises(ValueError, match="--teacher-cache-only: every rank serves the teacher"):
+        parse_args(base + ["--teacher-cache", str(cache), "--teacher-cache-only",
+                           "--teacher-placement", "disaggregated", "--teacher-ranks", "1"],
+                   world_size=2)
+    cache.mkdir()
+    (cache / "manifest.json").write_text(json.dumps({
+        "format": "xdistill-teacher-cache", "version": 1, "complete": True, "num_samples": 8,
+        "payload_numel": 3, "key": {}, "teacher_model": {}}))
+    args = parse_args(without_teacher(base) + ["--teacher-cache", str(cache)], world_size=1)
+    assert args.teacher_load is None  # a complete cache needs no teacher
+    with pytest.raises(ValueError, match="is complete: no teacher runs"):
+        parse_args(base + ["--teacher-cache", str(cache), "--teacher-placement",
+                           "disaggregated", "--teacher-ranks", "1"], world_size=2)

@@ -75,6 +75,7 @@ class DistillationDataset(torch.utils.data.Dataset):
         loss_mask = np.zeros(self.width[0] - 1, np.float32)
         loss_mask[: max(n_s - 1, 0)] = 1.0
         return {
+            "index": index,  # the plan's sample id (the teacher cache keys payloads by it)
             "tokens": tokens,
             "teacher_tokens": teacher_tokens,
             "student_length": n_s,

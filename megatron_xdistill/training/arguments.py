@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--load", required=True,
                    help="student checkpoint: a converted model (xdistill-convert) or a --save dir")
-    g.add_argument("--teacher-load", required=True, help="teacher checkpoint (xdistill-convert)")
+    g.add_argument("--teacher-load", default=None,
+                   help="teacher checkpoint (xdistill-convert); optional when --teacher-cache "
+                   "holds a complete cache (the teacher is then neither loaded nor run)")
     g.add_argument("--save", default=None, help="directory for training checkpoints")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
     g.add_argument("--exit-interval", type=int, default=None,
@@ -122,6 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ce-weight", type=float, default=0.0)
     g.add_argument("--kd-dynamic-scaling", action="store_true",
                    help="L = sg(CE / KD) * KD + CE (weights ignored)")
+
+    g = p.add_argument_group("teacher payload cache")
+    g.add_argument("--teacher-cache", default=None, metavar="DIR",
+                   help="teacher payload cache: a complete cache in DIR is read (teacher neither "
+                   "loaded nor run; any student layout, any number of epochs over its plan); an "
+                   "empty or partial one is filled by this run as it computes the payloads")
+    g.add_argument("--teacher-cache-only", action="store_true",
+                   help="fill --teacher-cache and exit: no student is built, every rank serves "
+                   "the teacher (its layout spans the world); resumes where a killed pass "
+                   "stopped. The plan has --train-iters x --global-batch-size samples")
+    g.add_argument("--teacher-cache-shard-mib", type=int, default=256,
+                   help="size of the cache's shard files (each is committed atomically)")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=1)
@@ -233,10 +247,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                 and getattr(args, "teacher_placement", "colocated") == "disaggregated"),
            "--kd-weight 0 trains on CE alone and runs no teacher: drop "
            "--teacher-placement disaggregated (its teacher ranks would idle)")
+    _check_teacher_cache(args)
     for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),
                        ("--tokenizer-model", args.tokenizer_model),
                        ("--teacher-tokenizer-model", args.teacher_tokenizer_model)):
-        _check(os.path.isdir(path), f"{flag}: no such directory: {path}")
+        _check(path is None or os.path.isdir(path), f"{flag}: no such directory: {path}")
     if args.projection_path is not None:
         _check(os.path.isfile(args.projection_path),
                f"--projection-path: no such file: {args.projection_path}")
@@ -247,6 +262,34 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.data_cache_path is None:
         args.data_cache_path = os.path.join(args.save, "data_cache") if args.save else None
     return args
+
+
+def _check_teacher_cache(args: argparse.Namespace) -> None:
+    """--teacher-cache / --teacher-cache-only / --teacher-load together."""
+    from megatron_xdistill.teacher_cache import cache_is_complete
+
+    cache = args.teacher_cache
+    _check(not args.teacher_cache_only or cache is not None,
+           "--teacher-cache-only needs --teacher-cache DIR (where the payloads go)")
+    _check(args.teacher_cache_shard_mib >= 1, "--teacher-cache-shard-mib must be >= 1")
+    if cache is None:
+        _check(args.teacher_load is not None, "--teacher-load is required (the teacher "
+               "checkpoint), unless --teacher-cache holds a complete cache")
+        return
+    _check(not (args.kd_weight == 0 and not args.kd_dynamic_scaling),
+           "--teacher-cache with --kd-weight 0: CE alone uses no teacher payloads")
+    complete = cache_is_complete(cache)
+    if complete:
+        _check(getattr(args, "teacher_placement", "colocated") == "colocated",
+               f"--teacher-cache {cache} is complete: no teacher runs, so there are no teacher "
+               f"ranks to place; drop --teacher-placement disaggregated")
+    else:
+        _check(args.teacher_load is not None,
+               f"--teacher-cache {cache} is not complete: filling it needs the teacher "
+               f"(--teacher-load)")
+    _check(not (args.teacher_cache_only
+                and getattr(args, "teacher_placement", "colocated") != "colocated"),
+           "--teacher-cache-only: every rank serves the teacher; drop --teacher-placement")
 
 
 def parse_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:

@@ -173,7 +173,11 @@ def _sharded_metadata(groups: ModelParallelGroups) -> dict:
 class Distiller:
     """Builds both models, the optimizer and the transport; runs steps and evaluation."""
 
-    def __init__(self, args, init_weights: bool = True, log=print) -> None:
+    def __init__(self, args, init_weights: bool = True, log=print, cache=None,
+                 teacher_only: bool = False) -> None:
+        """``cache``: the run's ``teacher_cache.TeacherCache`` (read: no teacher is built;
+        write: the sending teacher ranks also record the payloads). ``teacher_only``: no
+        student (the teacher-only pass that fills a cache)."""
         from megatron_xdistill import models as models_api
 
         self.args = args
@@ -200,11 +204,15 @@ class Distiller:
                                                           placement.student_offset)
         self.teacher_groups = build_model_parallel_groups(self.teacher_layout,
                                                           placement.teacher_offset)
-        self.has_student = placement.is_student(self.rank)
+        self.cache = cache
+        self.reads_cache = cache is not None and cache.reading
+        self.teacher_only = teacher_only
+        self.has_student = placement.is_student(self.rank) and not teacher_only
         # --kd-weight 0 (without dynamic scaling) trains on CE alone: the teacher's output
         # would be multiplied by 0, so it is neither loaded nor run.
         self.ce_only = kd_adapter.trains_ce_only(args)
-        self.has_teacher = placement.is_teacher(self.rank) and not self.ce_only
+        self.has_teacher = (placement.is_teacher(self.rank) and not self.ce_only
+                            and not self.reads_cache)
         # Disaggregated: each side's own "world" (checkpoint loads; the student's metrics and
         # evaluation). None: the whole world.
         self.student_world = self.teacher_world = None
@@ -220,7 +228,8 @@ class Distiller:
         dtype = torch.bfloat16 if args.bf16 else torch.float32
 
         # Teacher: forward only, never updated.
-        self.teacher_info = models_api.load_model_info(args.teacher_load)
+        self.teacher_info = (models_api.ModelInfo.from_dict(cache.manifest.teacher_model)
+                             if self.reads_cache else models_api.load_model_info(args.teacher_load))
         self.teacher = self.teacher_config = None
         if self.has_teacher:
             self.teacher, self.teacher_config = self._build(
@@ -251,7 +260,7 @@ class Distiller:
             self.stream = RoutedStream(
                 self.routes, numel=self.kd.payload_numel,
                 timeout_s=60.0 * args.distributed_timeout_minutes, device=self.device)
-        elif not self.ce_only:  # CE alone routes nothing
+        elif not (self.ce_only or self.reads_cache or teacher_only):  # nothing to route
             self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
                                              device=self.device)
         routed = self.stream if self.stream is not None else self.transport
@@ -368,11 +377,21 @@ class Distiller:
                 payloads[sample] = flat[row]
         return payloads
 
+    def _sent_payloads(self, outgoing: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The payloads this rank sends: the teacher's last stage at TP rank 0 and CP rank 0
+        (the other TP / CP ranks hold the same rows)."""
+        coords = self.teacher_groups.coords
+        return outgoing if coords["tp"] == 0 and coords["cp"] == 0 else {}
+
+    def _local_positions(self, samples: dict[int, dict]) -> list[int]:
+        """Positions in the global batch of the samples this student replica trains on."""
+        s_dp = self.student_groups.coords["dp"]
+        return [i for i in samples
+                if student_replica_of(i, self.mbs, self.student_layout.dp)[0] == s_dp]
+
     def _global_counts(self, samples: dict[int, dict]) -> tuple[float, float]:
         """Valid chunks and label tokens in the whole global batch (all-reduced over DP)."""
-        s_dp = self.student_groups.coords["dp"]
-        local = [i for i in samples
-                 if student_replica_of(i, self.mbs, self.student_layout.dp)[0] == s_dp]
+        local = self._local_positions(samples)
         batch = collate_samples([samples[i] for i in local])
         counts = torch.tensor([float(self.kd.count_chunks(batch)),
                                float(batch["loss_mask"].sum())], dtype=torch.float64,
@@ -428,13 +447,15 @@ class Distiller:
         t0 = t1 = _now(self.device)
         if self.ce_only:
             payloads = {}
+        elif self.reads_cache:  # the last stage reads its own samples' payloads from disk
+            mine = self._local_positions(samples) if self.student_groups.is_last_stage else []
+            payloads = self.cache.fetch(samples, mine, self.device)
         elif self.stream is None:  # colocated: this rank runs its teacher shard first
-            outgoing = self._teacher_forward(samples)
+            sender = self._sent_payloads(self._teacher_forward(samples))
             t1 = _now(self.device)
             self.times.teacher += t1 - t0
-            sender = {i: p for i, p in outgoing.items()
-                      if self.teacher_groups.coords["tp"] == 0
-                      and self.teacher_groups.coords["cp"] == 0}
+            if self.cache is not None:
+                self.cache.record(samples, sender)
             payloads = self.transport.exchange(sender)
         else:
             payloads, stats = self.stream.receive(step)
@@ -451,6 +472,11 @@ class Distiller:
         t0 = _now(self.device)
         outgoing = self._teacher_forward(samples)
         t1 = _now(self.device)
+        if self.cache is not None:
+            self.cache.record(samples, self._sent_payloads(outgoing))
+        if self.stream is None:  # teacher-only pass: the cache is the only receiver
+            self.times.teacher += t1 - t0
+            return {}
         self.stream.send(step, outgoing, stats=[t1 - t0])
         self.times.teacher += t1 - t0
         self.times.route += _now(self.device) - t1
@@ -554,6 +580,8 @@ class Distiller:
         from megatron_xdistill.training.checkpointing import save_checkpoint
 
         partial_world = self.placement.disaggregated
+        if self.cache is not None:  # every step this checkpoint covers is on disk first
+            self.cache.flush()
         if not self.has_student:
             return save_checkpoint(root, iteration, None, None, None, None, common,
                                    partial_world=partial_world)

@@ -95,6 +95,10 @@ def _train(args) -> int:
     from megatron_xdistill.data.loader import StepBatches, StepSampler
     from megatron_xdistill.training.distiller import Distiller, is_training_checkpoint
     from megatron_xdistill.training.metrics import MetricsWriter
+    from megatron_xdistill.training.teacher_cache_run import (
+        fill_teacher_cache,
+        open_teacher_cache,
+    )
 
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
@@ -102,18 +106,29 @@ def _train(args) -> int:
                            load_tokenizer(args.teacher_tokenizer_model))
     # Resume from --save if it holds a run, else from --load if that is a run; otherwise --load
     # is a converted model (xdistill-convert) and training starts at iteration 0.
-    resume_from = next((path for path in (args.save, args.load)
-                        if path and is_training_checkpoint(path)), None)
-    distiller = Distiller(args, init_weights=resume_from is None, log=_log)
+    resume_from = None if args.teacher_cache_only else next(
+        (path for path in (args.save, args.load) if path and is_training_checkpoint(path)), None)
+    cache = None
+    num_samples = args.train_iters * args.global_batch_size
+    if args.teacher_cache:
+        cache, _, num_samples = open_teacher_cache(args, aligner, _log)
+    distiller = Distiller(args, init_weights=resume_from is None, log=_log, cache=cache,
+                          teacher_only=args.teacher_cache_only)
     iteration = 0
     if resume_from is not None:
         iteration = distiller.resume(resume_from)["iteration"]
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
-    documents, plan = _plan(args, args.data_path, aligner,
-                            args.train_iters * args.global_batch_size, "train")
+    documents, plan = _plan(args, args.data_path, aligner, num_samples, "train")
+    if cache is not None:  # rank 0 starts a new cache's manifest; writer / reader per rank
+        cache.attach(distiller.teacher_info.to_dict(), num_samples, distiller.kd.payload_numel,
+                     rank, writer=distiller.has_teacher and distiller.teacher_groups.is_last_stage,
+                     reader=distiller.has_student and distiller.student_groups.is_last_stage,
+                     barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20)
     dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
                                   args.teacher_seq_length)
+    if args.teacher_cache_only:
+        return fill_teacher_cache(args, distiller, cache, dataset, _log)
     # A disaggregated rank loads only the samples of the model it serves.
     s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
     t_dp = distiller.teacher_groups.coords["dp"] if distiller.has_teacher else None
@@ -167,6 +182,8 @@ def _train(args) -> int:
                 _log(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
         distiller.finish()
+        if cache is not None:
+            cache.close(rank, dist.barrier, log=_log)
     finally:
         writer.close()
         distiller.close()

@@ -1,0 +1,86 @@
+"""``--teacher-cache`` in a run: open and check the cache before anything is built, and the
+teacher-only pass (``--teacher-cache-only``) that fills it."""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+
+def open_teacher_cache(args, aligner, log=print):
+    """``(cache, teacher ModelInfo, samples of the plan)``. Every rank compares the cache's key
+    with this run's before any model is built or any collective runs, so a mismatch stops all
+    ranks alike with the differing fields named."""
+    from megatron_xdistill import models as models_api
+    from megatron_xdistill.data.sources import parse_data_path
+    from megatron_xdistill.loss import payload_spec
+    from megatron_xdistill.projection.vocab import vocab_hash
+    from megatron_xdistill.teacher_cache import TeacherCache, checkpoint_fingerprint
+    from megatron_xdistill.teacher_cache.key import run_key
+    from megatron_xdistill.training.kd_adapter import load_or_build_projection, payload_form
+
+    cache = TeacherCache(args.teacher_cache)
+    reading = cache.reading
+    log(f"> teacher cache {args.teacher_cache}: " + (
+        "complete, reading payloads (the teacher is not loaded)" if reading
+        else "filling it with this run's payloads"))
+    teacher_info = (models_api.ModelInfo.from_dict(cache.manifest.teacher_model) if reading
+                    else models_api.load_model_info(args.teacher_load))
+    # A reading run trains on the cache's plan (epochs wrap around it).
+    num_samples = (cache.manifest.num_samples if reading
+                   else args.train_iters * args.global_batch_size)
+    form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
+    common = None
+    if form == "gold":
+        rule = "strict" if args.kd_loss == "gold" else "xtoken"
+        common = load_or_build_projection(args, log).common_vocab(rule)[1]
+    spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
+                        topk=args.kd_topk or None,
+                        num_common=None if common is None else len(common))
+    teacher = (checkpoint_fingerprint(args.teacher_load) if args.teacher_load is not None
+               else cache.manifest.key["teacher"]["checkpoint"])  # reading without a teacher
+    key = run_key(
+        teacher_checkpoint=teacher, bf16=args.bf16,
+        student_vocab_hash=vocab_hash(aligner.student_tokenizer),
+        teacher_vocab_hash=vocab_hash(aligner.teacher_tokenizer),
+        sources=parse_data_path(args.data_path, "--data-path"), text_field=args.text_field,
+        seq_length=args.seq_length, teacher_seq_length=args.teacher_seq_length, seed=args.seed,
+        num_samples=num_samples, form=form, topk=args.kd_topk, temperature=args.kd_temperature,
+        numel=spec.numel, common_teacher_ids=common)
+    cache.check(key)
+    return cache, teacher_info, num_samples
+
+
+def fill_teacher_cache(args, distiller, cache, dataset, log=print) -> int:
+    """The teacher over every step of the plan that the cache does not hold yet (a killed pass
+    resumes at its first incomplete step); progress on rank 0. Exit code 0 once complete."""
+    from megatron_xdistill.data.loader import StepBatches, StepSampler
+
+    gbs = args.global_batch_size
+    start = cache.first_incomplete_step(gbs)
+    t_dp = distiller.teacher_groups.coords["dp"]
+    sampler = StepSampler(len(dataset), start, gbs, args.micro_batch_size, None,
+                          distiller.student_layout, t_dp, distiller.teacher_layout)
+    steps = StepBatches(dataset, sampler, args.num_workers)
+    if start:
+        log(f"> teacher cache: resuming at step {start + 1} ({start * gbs} samples held)")
+    last = time.perf_counter()
+    try:
+        for step in range(start, args.train_iters):
+            distiller.train_step(next(steps))
+            done = step + 1
+            if done % args.log_interval == 0 or done == args.train_iters:
+                now = time.perf_counter()
+                log(f"teacher cache step {done}/{args.train_iters} | samples "
+                    f"{done * gbs}/{args.train_iters * gbs} | "
+                    f"{args.log_interval * gbs / (now - last):.2f} samples/s | time_teacher "
+                    f"{distiller.times.reset()['time_teacher']:.2f} s")
+                last = now
+            if args.exit_interval and done % args.exit_interval == 0:
+                log(f"> exiting at step {done} (--exit-interval); rerun to continue")
+                break
+        complete = cache.close(dist.get_rank(), dist.barrier, log=log)
+    finally:
+        distiller.close()
+    return 0 if complete else 1

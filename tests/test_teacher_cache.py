@@ -1,0 +1,111 @@
+"""Teacher payload cache end to end: runs that read a cache train exactly like the online runs.
+
+Setup and reference as test_e2e (tiny converted models, real SmolLM2 / Qwen2 tokenizers). An
+online run fills the cache as it trains; runs in two student layouts read it without the teacher
+(no --teacher-load) and reproduce the online losses of the same layout (rel 1e-6); a teacher-only
+pass in another teacher layout, interrupted and resumed, fills an equal cache; runs configured
+differently are refused naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_e2e import STEPS, _argv, _losses, _run_main, assert_losses_match
+
+from megatron_xdistill.testing.multirank import RankError
+
+EXACT = 1e-6
+STUDENT_TP2 = ["--tensor-model-parallel-size", "2"]
+STUDENT_PP2_DP2 = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer"]
+
+
+def _reader_argv(root, s_tok, t_tok, name, extra):
+    """A run that reads the cache: no teacher checkpoint at all."""
+    argv = _argv(root, s_tok, t_tok, name, extra)
+    at = argv.index("--teacher-load")
+    del argv[at: at + 2]
+    return argv
+
+
+def _same(got, want, name, rel=EXACT):
+    assert len(got) == len(want) == STEPS, name
+    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(got, want), 1):
+        assert kd == pytest.approx(kd_ref, rel=rel), f"{name} step {step} kd"
+        assert ce == pytest.approx(ce_ref, rel=rel), f"{name} step {step} ce"
+
+
+@pytest.fixture(scope="module")
+def online_cache(e2e_setup, e2e_reference, e2e_pool, tmp_path_factory):
+    """An online run (student TP2) that fills the cache as it trains: (cache, its losses)."""
+    root, s_tok, t_tok = e2e_setup
+    cache = tmp_path_factory.mktemp("teacher_cache") / "online"
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "cache_online_tp2",
+                                  STUDENT_TP2 + ["--teacher-cache", str(cache)]))
+    losses = _losses(root, "cache_online_tp2")
+    assert_losses_match(losses, e2e_reference, "online run that writes the cache")
+    return cache, losses
+
+
+def test_online_run_completes_the_cache(online_cache):
+    cache, _ = online_cache
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["num_samples"] == STEPS * 4
+    assert manifest["key"]["payload"]["form"] == "chunk_topk"
+    assert manifest["key"]["payload"]["topk"] == 16
+
+
+def test_reading_the_cache_reproduces_the_online_run_in_two_layouts(e2e_setup, e2e_pool,
+                                                                    online_cache):
+    root, s_tok, t_tok = e2e_setup
+    cache, online_tp2 = online_cache
+    e2e_pool.run(_run_main, _reader_argv(root, s_tok, t_tok, "cache_read_tp2",
+                                         STUDENT_TP2 + ["--teacher-cache", str(cache)]))
+    _same(_losses(root, "cache_read_tp2"), online_tp2, "read, student TP2")
+    records = [json.loads(x) for x in (root / "cache_read_tp2.jsonl").read_text().splitlines()]
+    assert all(r["time_teacher"] == 0 for r in records if "kd" in r)  # no teacher ran
+
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "online_pp2_dp2", STUDENT_PP2_DP2))
+    e2e_pool.run(_run_main, _reader_argv(root, s_tok, t_tok, "cache_read_pp2_dp2",
+                                         STUDENT_PP2_DP2 + ["--teacher-cache", str(cache)]))
+    _same(_losses(root, "cache_read_pp2_dp2"), _losses(root, "online_pp2_dp2"),
+          "read, student PP2 x DP2 with the distributed optimizer")
+
+
+def test_teacher_only_pass_interrupted_and_resumed(e2e_setup, e2e_pool, online_cache,
+                                                  tmp_path):
+    """--teacher-cache-only in the teacher's TP2 x DP2 layout, stopped after one step and rerun:
+    it resumes at step 2 and completes a cache whose readers train like the online run."""
+    root, s_tok, t_tok = e2e_setup
+    cache = tmp_path / "filled"
+    fill = _argv(root, s_tok, t_tok, "unused", ["--teacher-cache", str(cache),
+                                                "--teacher-cache-only",
+                                                "--teacher-tensor-model-parallel-size", "2"])
+    e2e_pool.run(_run_main, fill + ["--exit-interval", "1"])
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert not manifest["complete"]
+    held = sorted(p.name for p in (cache / "shards").iterdir())
+    assert held and all(name.endswith(".arrow") for name in held)
+    e2e_pool.run(_run_main, fill)
+    assert json.loads((cache / "manifest.json").read_text())["complete"]
+    e2e_pool.run(_run_main, _reader_argv(root, s_tok, t_tok, "cache_read_filled",
+                                         STUDENT_TP2 + ["--teacher-cache", str(cache)]))
+    # The teacher ran at TP2 here and at TP1 online: equal up to reduction order.
+    assert_losses_match(_losses(root, "cache_read_filled"), online_cache[1], "teacher-only pass")
+
+
+@pytest.mark.parametrize("change,field", [
+    (["--kd-temperature", "2.0"], "payload.temperature: cache 1.0, this run 2.0"),
+    (["--teacher-seq-length", "48"], "data.teacher_seq_length: cache 40, this run 48"),
+    (["--bf16"], "teacher.precision: cache 'fp32', this run 'bf16'"),
+])
+def test_a_differently_configured_run_is_refused(e2e_setup, e2e_pool, online_cache, change,
+                                                field):
+    root, s_tok, t_tok = e2e_setup
+    cache, _ = online_cache
+    argv = _reader_argv(root, s_tok, t_tok, "refused",
+                        STUDENT_TP2 + ["--teacher-cache", str(cache), *change])
+    with pytest.raises(RankError, match="made for another configuration") as err:
+        e2e_pool.run(_run_main, argv)
+    assert field in str(err.value)

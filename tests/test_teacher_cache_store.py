@@ -1,0 +1,186 @@
+"""Teacher cache files: shards round-trip, refuse damage by name, and the manifest's key check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_xdistill.teacher_cache import (
+    CacheError,
+    Manifest,
+    ShardReader,
+    ShardWriter,
+    TeacherCache,
+    cache_is_complete,
+    checkpoint_fingerprint,
+    committed_samples,
+    key_differences,
+    load_manifest,
+    sample_check,
+)
+from megatron_xdistill.teacher_cache.manifest import check_key, save_manifest
+from megatron_xdistill.teacher_cache.store import SHARD_DIR, list_shards
+
+NUMEL = 37
+
+
+def _sample(i: int) -> dict:
+    rng = np.random.default_rng(i)
+    return {"index": i, "tokens": rng.integers(0, 100, 9), "teacher_tokens": rng.integers(0, 90, 11),
+            "chunks": rng.integers(0, 9, (4, 5)), "student_length": 9, "teacher_length": 11}
+
+
+def _payload(i: int) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(i))
+
+
+def _write(root, ids, writer=0, shard_bytes=1 << 20):
+    out = ShardWriter(root, writer, NUMEL, shard_bytes)
+    for i in ids:
+        out.add(i, sample_check(_sample(i)), _payload(i))
+    return out
+
+
+def test_rows_round_trip_exactly_across_writers_and_shards(tmp_path):
+    a = _write(tmp_path, [0, 2, 4, 6], writer=0, shard_bytes=2 * 4 * NUMEL)  # 2 rows a shard
+    b = _write(tmp_path, [7, 5, 3, 1], writer=1)
+    a.flush(), b.flush()
+    assert len(list_shards(tmp_path)) == 3
+    assert committed_samples(tmp_path).tolist() == list(range(8))
+    reader = ShardReader(tmp_path, NUMEL)
+    got = reader.read((i, sample_check(_sample(i))) for i in [6, 1, 3, 0])
+    for i, payload in got.items():
+        assert torch.equal(payload, _payload(i))
+
+
+def test_an_unflushed_writer_leaves_nothing_a_reader_lists(tmp_path):
+    _write(tmp_path, [0, 1])  # never flushed: as if killed
+    (tmp_path / SHARD_DIR / ".payloads-w00000-s0000000000-0000000001.123.tmp").write_bytes(b"x")
+    assert list_shards(tmp_path) == [] and committed_samples(tmp_path).size == 0
+    ShardWriter(tmp_path, 0, NUMEL)  # the same writer restarting removes its own leftovers
+    assert not list((tmp_path / SHARD_DIR).glob("*.tmp"))
+
+
+def test_truncated_shard_is_refused_by_name(tmp_path):
+    shard = _write(tmp_path, [0, 1, 2]).flush()
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CacheError, match=rf"{shard.name}.*truncated or corrupt"):
+        ShardReader(tmp_path, NUMEL).read([(1, sample_check(_sample(1)))])
+    with pytest.raises(CacheError, match=shard.name):
+        committed_samples(tmp_path)
+
+
+def test_flipped_payload_bits_fail_the_crc(tmp_path):
+    import pyarrow as pa
+
+    shard = _write(tmp_path, [0, 1]).flush()
+    table = pa.ipc.open_file(pa.memory_map(str(shard))).read_all()
+    values = table.column("payload").combine_chunks().values.to_numpy().copy()
+    values[NUMEL + 3] += 1.0  # sample 1's fourth value
+    bad = table.set_column(3, "payload", pa.FixedSizeListArray.from_arrays(pa.array(values),
+                                                                           NUMEL))
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, bad.schema) as out:
+        out.write_table(bad)
+    reader = ShardReader(tmp_path, NUMEL)
+    assert torch.equal(reader.read([(0, sample_check(_sample(0)))])[0], _payload(0))
+    with pytest.raises(CacheError, match=r"corrupt \(sample 1 fails its CRC32\)"):
+        reader.read([(1, sample_check(_sample(1)))])
+
+
+def test_other_tokens_and_missing_samples_are_refused(tmp_path):
+    _write(tmp_path, [0, 1]).flush()
+    reader = ShardReader(tmp_path, NUMEL)
+    other = _sample(1)
+    other["tokens"] = other["tokens"] + 1
+    with pytest.raises(CacheError, match="sample 1 .* other tokens"):
+        reader.read([(1, sample_check(other))])
+    with pytest.raises(CacheError, match="no payload for sample 5"):
+        reader.read([(5, 0)])
+    with pytest.raises(CacheError, match="holds payloads of 37 values, this run's payload form "
+                                         "needs 38"):
+        ShardReader(tmp_path, NUMEL + 1).read([(0, sample_check(_sample(0)))])
+
+
+def test_sample_check_sees_every_input():
+    base = sample_check(_sample(3))
+    for key in ("tokens", "teacher_tokens", "chunks"):
+        changed = _sample(3)
+        changed[key] = changed[key].copy()
+        changed[key].flat[-1] += 1
+        assert sample_check(changed) != base, key
+    changed = _sample(3)
+    changed["teacher_length"] = 10
+    assert sample_check(changed) != base
+
+
+KEY = {"teacher": {"checkpoint": "sha256:aa", "precision": "fp32"},
+       "data": {"files": [["train.jsonl", 100, 1.0]], "seq_length": 32, "num_samples": 12},
+       "payload": {"form": "chunk_topk", "topk": 16, "temperature": 1.0}}
+
+
+def test_key_differences_name_each_field_and_both_values():
+    run = json.loads(json.dumps(KEY))
+    run["payload"]["temperature"] = 2.0
+    run["data"]["files"][0][1] = 101
+    assert key_differences(KEY, run) == [
+        "data.files: cache [['train.jsonl', 100, 1.0]], this run [['train.jsonl', 101, 1.0]]",
+        "payload.temperature: cache 1.0, this run 2.0"]
+    run = json.loads(json.dumps(KEY))
+    run["data"]["num_samples"] = 24  # a reader trains on the cache's plan, in epochs
+    manifest = Manifest(KEY, {}, 12, NUMEL)
+    check_key("c", manifest, run, reading=True)
+    with pytest.raises(CacheError, match="data.num_samples: cache 12, this run 24"):
+        check_key("c", manifest, run, reading=False)
+
+
+def test_manifest_and_completeness(tmp_path):
+    assert load_manifest(tmp_path) is None and not cache_is_complete(tmp_path)
+    cache = TeacherCache(tmp_path)
+    assert cache.mode == "write"
+    cache.check(KEY)
+    cache.attach({"vocab_size": 5}, 6, NUMEL, rank=0, writer=True, reader=False,
+                 barrier=lambda: None)
+    for i in range(4):
+        cache.record({i: _sample(i)}, {i: _payload(i)})
+    assert not cache.close(0, lambda: None, log=lambda m: None)
+    assert cache.first_incomplete_step(2) == 2 and cache.missing().tolist() == [4, 5]
+    for i in (4, 5):
+        cache.record({i: _sample(i)}, {i: _payload(i)})
+    assert cache.close(0, lambda: None, log=lambda m: None)
+    assert cache_is_complete(tmp_path)
+    reread = TeacherCache(tmp_path)
+    assert reread.reading and reread.manifest.teacher_model == {"vocab_size": 5}
+    reread.check(KEY)
+    reread.attach({}, 6, NUMEL, rank=0, writer=False, reader=True, barrier=lambda: None)
+    with pytest.raises(CacheError, match="holds payloads of 37 values, this run needs 38"):
+        reread.attach({}, 6, NUMEL + 1, rank=0, writer=False, reader=True, barrier=lambda: None)
+    got = reread.fetch({7: _sample(5)}, [7], torch.device("cpu"))
+    assert torch.equal(got[7], _payload(5))
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(CacheError, match="manifest.json is not valid JSON"):
+        TeacherCache(tmp_path)
+    save_manifest(tmp_path, Manifest(KEY, {}, 6, NUMEL))
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    data["version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(CacheError, match="version 99"):
+        load_manifest(tmp_path)
+
+
+def test_checkpoint_fingerprint_follows_files_and_metadata(tmp_path):
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "iter_0000001" / "weights.distcp").write_bytes(b"\0" * 64)
+    (tmp_path / "xdistill_model.json").write_text('{"a": 1}')
+    first = checkpoint_fingerprint(tmp_path)
+    assert checkpoint_fingerprint(tmp_path) == first
+    (tmp_path / "xdistill_model.json").write_text('{"a": 2}')
+    second = checkpoint_fingerprint(tmp_path)
+    assert second != first
+    (tmp_path / "iter_0000001" / "weights.distcp").write_bytes(b"\0" * 65)
+    assert checkpoint_fingerprint(tmp_path) != second
+    with pytest.raises(CacheError, match="is not a directory"):
+        checkpoint_fingerprint(tmp_path / "nope")
