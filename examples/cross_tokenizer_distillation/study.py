@@ -1,0 +1,447 @@
+"""A study that can decide: CE-only vs cross-tokenizer distillation, several seeds, two held-outs.
+
+    python examples/cross_tokenizer_distillation/study.py [experiment=signal|real] [overrides]
+
+*signal* (a): a Llama-shaped student from random init (its own tokenizer, study.yaml) learns from
+a real pretrained teacher with another tokenizer on Shakespeare + English Wikipedia; held out:
+four Shakespeare works and the Wikipedia validation articles. Seeds change the student's
+initialisation; the data order is the same for every run, so each seed is a paired comparison.
+*real* (b): the demo pair (pretrained SmolLM2-135M, Qwen2.5-Coder-0.5B teacher) on the CPython
+standard library split by module; seeds change the data order.
+
+The teacher runs once per payload form: ``pretrain_xdistill.py --teacher-cache-only`` fills a
+payload cache that every run of that form reads (``--teacher-cache``), so a variant costs a
+student's training only. Every stage is resumable: runs continue from their last checkpoint,
+teacher passes from their last committed shard, finished stages are skipped. ``REPORT-<exp>.md``
+(mean +- std over seeds per held-out set, differences to CE-only called real only beyond twice
+the seed spread, paired training curves) is rewritten from ``work_dir/results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for path in (REPO, HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+from run import _digest, machine, say  # noqa: E402
+
+from megatron_xdistill.workflow import (  # noqa: E402
+    ModelPair,
+    build_projection,
+    convert_to_megatron,
+    cpu_env,
+    pretrain_command,
+    read_metrics,
+    run_command,
+)
+
+SHARED = REPO.parent / "shared" / "assets"
+
+
+# --------------------------------------------------------------------------- setup
+def _write_jsonl(path: Path, docs: list[dict]) -> Path:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps({"id": d["id"], "text": d["text"]}) + "\n" for d in docs))
+    tmp.replace(path)
+    return path
+
+
+def signal_data(cfg, work: Path) -> dict:
+    """train.jsonl (Shakespeare minus the held-out works + Wikipedia train) and the held-out
+    sets (the held-out works; Wikipedia validation)."""
+    out = work / "data"
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"train": out / "train.jsonl", "shakespeare": out / "heldout_shakespeare.jsonl",
+             "enwiki": out / "heldout_enwiki.jsonl"}
+    if all(p.exists() for p in files.values()):
+        return files
+    corpora = SHARED / "corpora"
+    works = [json.loads(x) for x in (corpora / "shakespeare.jsonl").read_text().splitlines()]
+    held = set(cfg.signal.data.heldout_works)
+    missing = held - {w["id"] for w in works}
+    if missing:
+        raise ValueError(f"signal.data.heldout_works: {sorted(missing)} not in shakespeare.jsonl")
+    wiki = [json.loads(x) for x in (corpora / "enwiki_train.jsonl").read_text().splitlines()]
+    _write_jsonl(files["train"], [w for w in works if w["id"] not in held] + wiki)
+    _write_jsonl(files["shakespeare"], [w for w in works if w["id"] in held])
+    shutil.copy(corpora / "enwiki_val.jsonl", files["enwiki"])
+    return files
+
+
+def random_student(cfg, work: Path, seed: int) -> tuple[Path, Path]:
+    """A Llama-shaped student from random init (seeded) with the shared tokenizer:
+    ``(HF folder, Megatron checkpoint)``; cached."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    shape = cfg.signal.student
+    name = f"student-{cfg.signal.student_tokenizer}-h{shape.hidden_size}-l{shape.num_layers}-s{seed}"
+    hf = work / "models" / name
+    if not (hf / "model.safetensors").exists():
+        tok_dir = SHARED / "tokenizers" / cfg.signal.student_tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+        torch.manual_seed(seed)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=shape.hidden_size,
+            intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
+            max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+            tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id)
+        model = LlamaForCausalLM(config)
+        tmp = hf.with_name(hf.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(hf)
+        say(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    return hf, convert_to_megatron(name, hf, say)
+
+
+def setup(cfg, work: Path) -> tuple[dict[int, ModelPair], dict]:
+    """Models per seed and the data: ``({seed: ModelPair}, {"train": ..., held-out sets})``."""
+    from megatron_xdistill.assets import fetch_model
+    from megatron_xdistill.examples_data import write_stdlib_corpus
+
+    if cfg.experiment == "signal":
+        exp = cfg.signal
+        teacher_hf = fetch_model(exp.teacher, log=say)
+        teacher_ckpt = convert_to_megatron(exp.teacher, teacher_hf, say)
+        pairs = {}
+        for seed in cfg.seeds:
+            hf, ckpt = random_student(cfg, work, seed)
+            projection = build_projection(cfg.signal.student_tokenizer, exp.teacher, hf,
+                                          teacher_hf, say)
+            pairs[seed] = ModelPair(exp.teacher, hf.name, teacher_hf, hf, teacher_ckpt, ckpt,
+                                    projection)
+        return pairs, signal_data(cfg, work)
+    if cfg.experiment == "real":
+        from megatron_xdistill.workflow import prepare_models
+
+        exp = cfg.real
+        pair = prepare_models(exp.teacher, exp.student, log=say)
+        train, valid = write_stdlib_corpus(work / "data", exp.data.valid_fraction,
+                                           exp.data.max_chars)
+        return {seed: pair for seed in cfg.seeds}, {"train": train, "stdlib": valid}
+    raise ValueError(f"experiment must be signal or real, got {cfg.experiment!r}")
+
+
+# --------------------------------------------------------------------------- training
+def _options(cfg, data: dict, variant: dict, seed: int) -> dict:
+    """``pretrain_xdistill.py`` arguments shared by a run and its teacher pass."""
+    exp = cfg[cfg.experiment]
+    heldout = [k for k in data if k != "train"]
+    return {
+        "data-path": str(data["train"]), "valid-data-path": str(data[heldout[-1]]),
+        "seq-length": exp.seq_length, "teacher-seq-length": exp.teacher_seq_length,
+        "micro-batch-size": exp.micro_batch_size, "global-batch-size": exp.global_batch_size,
+        "train-iters": exp.steps, "lr": exp.lr, "min-lr": exp.min_lr,
+        "lr-warmup-iters": exp.lr_warmup_iters, "lr-decay-style": "cosine",
+        "weight-decay": exp.weight_decay, "clip-grad": 1.0,
+        # signal: one data order for every seed (the seed is the student's initialisation)
+        "seed": 1234 if cfg.experiment == "signal" else seed,
+        "kd-loss": variant["kd_loss"], "kd-weight": variant["kd_weight"],
+        "ce-weight": variant["ce_weight"], "kd-topk": cfg.kd.topk,
+        "kd-topk-mode": cfg.kd.topk_mode, "kd-temperature": cfg.kd.temperature,
+        "eval-interval": exp.eval_interval, "eval-iters": exp.eval_iters,
+        "log-interval": 10, "num-workers": 1,
+    }
+
+
+def _cache_dir(cfg, work: Path, variant: dict, seed: int) -> Path:
+    order = "" if cfg.experiment == "signal" else f"-seed{seed}"
+    return work / "teacher_cache" / (f"{variant['kd_loss']}-top{cfg.kd.topk}{cfg.kd.topk_mode}"
+                                     f"-T{cfg.kd.temperature}{order}")
+
+
+def teacher_pass(cfg, work: Path, pair: ModelPair, data: dict, variant: dict, seed: int) -> Path:
+    """Fill the payload cache of a variant's form (skipped when complete; resumes otherwise)."""
+    from megatron_xdistill.teacher_cache import cache_is_complete
+
+    cache = _cache_dir(cfg, work, variant, seed)
+    if cache_is_complete(cache):
+        return cache
+    say(f"teacher pass -> {cache.name}")
+    options = {**_options(cfg, data, variant, seed), "teacher-cache": str(cache),
+               "teacher-cache-only": True, "kd-weight": 1.0, "log-interval": 10,
+               "data-cache-path": str(work / "data_cache")}
+    options.pop("valid-data-path"), options.pop("eval-interval")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    run_command(pretrain_command(pair, cfg.nproc, options), say,
+                env=cpu_env(cfg.threads_per_rank), stdout_path=cache.parent / f"{cache.name}.log")
+    return cache
+
+
+def _finished(ckpt: Path) -> int:
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    text = tracker.read_text().strip() if tracker.is_file() else ""
+    return int(text) if text.isdigit() else 0
+
+
+def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int) -> Path:
+    """One (variant, seed) run; resumes from its checkpoints, skipped once finished."""
+    variant = dict(cfg.variants[name])
+    run_dir = work / "runs" / f"{name}-seed{seed}"
+    options = {**_options(cfg, data, variant, seed),
+               "metrics-file": str(run_dir / "metrics.jsonl"),
+               "data-cache-path": str(work / "data_cache"), "save": str(run_dir / "ckpt"),
+               "save-interval": cfg.save_interval}
+    if variant["kd_weight"] > 0:
+        options["teacher-cache"] = str(teacher_pass(cfg, work, pair, data, variant, seed))
+    stamp = run_dir / "settings.json"
+    settings = {"options": options, "student": str(pair.student_ckpt)}
+    if stamp.is_file() and json.loads(stamp.read_text()) != json.loads(json.dumps(settings)):
+        say(f"{run_dir.name}: settings changed; starting over")
+        shutil.rmtree(run_dir)
+    steps = cfg[cfg.experiment].steps
+    if _finished(run_dir / "ckpt") >= steps:
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(json.dumps(settings, indent=1))
+    say(f"training {run_dir.name} ({cfg.variants[name].label}, seed {seed}; from step "
+        f"{_finished(run_dir / 'ckpt')})")
+    start = time.time()
+    run_command(pretrain_command(pair, cfg.nproc, options), say,
+                env=cpu_env(cfg.threads_per_rank), stdout_path=run_dir / "train.log")
+    with open(run_dir / "seconds.txt", "a") as fh:
+        fh.write(f"{time.time() - start:.1f}\n")
+    return run_dir
+
+
+def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
+             stamp: str) -> dict:
+    """Held-out bits per byte (``megatron_xdistill.evaluate``; cached by model and settings)."""
+    args = [*model_args, "--data", str(heldout), "--seq-length", str(cfg.eval.seq_length),
+            "--micro-batch-size", str(cfg.eval.micro_batch_size), "--max-chars",
+            str(cfg.eval.max_chars)]
+    key = _digest([args, stamp])
+    out = work / "eval" / f"{label}.json"
+    if out.is_file() and json.loads(out.read_text()).get("key") == key:
+        return json.loads(out.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    run_command([sys.executable, "-m", "megatron_xdistill.evaluate", *args, "--json", str(tmp),
+                 "--threads", str(cfg.nproc * cfg.threads_per_rank)], say)
+    result = {**json.loads(tmp.read_text()), "key": key}
+    out.write_text(json.dumps(result, indent=1))
+    tmp.unlink()
+    say(f"{label}: {result['bits_per_byte']:.4f} bits/byte")
+    return result
+
+
+# --------------------------------------------------------------------------- the study
+def run_study(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    work = Path(cfg.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    unknown = [v for v in cfg.variants_to_run if v not in cfg.variants]
+    if unknown:
+        raise ValueError(f"variants_to_run: unknown {unknown}; defined: {list(cfg.variants)}")
+    exp = cfg[cfg.experiment]
+    if exp.lr_warmup_iters >= exp.steps:
+        raise ValueError(f"{cfg.experiment}.lr_warmup_iters ({exp.lr_warmup_iters}) must be "
+                         f"smaller than {cfg.experiment}.steps ({exp.steps})")
+    pairs, data = setup(cfg, work)
+    heldouts = [k for k in data if k != "train"]
+    results: dict = {"config": OmegaConf.to_container(cfg, resolve=True), "machine": machine(),
+                     "runs": {}, "evals": {}}
+    first = pairs[cfg.seeds[0]]
+    for name in heldouts:  # the teacher, and each seed's student before training
+        results["evals"][f"teacher/{name}"] = evaluate(
+            cfg, work, f"teacher-{name}", ["--load", str(first.teacher_ckpt), "--tokenizer",
+                                           str(first.teacher_hf)], data[name], "teacher")
+    for seed in cfg.seeds:  # seed-major: every variant of seed 1 first (early paired results)
+        pair = pairs[seed]
+        for name in heldouts:
+            results["evals"][f"before-s{seed}/{name}"] = evaluate(
+                cfg, work, f"before-s{seed}-{name}",
+                ["--load", str(pair.student_ckpt), "--tokenizer", str(pair.student_hf)],
+                data[name], f"before:{pair.student_ckpt}")
+        for variant in cfg.variants_to_run:
+            run_dir = train_run(cfg, work, pair, data, variant, seed)
+            key = f"{variant}-s{seed}"
+            results["runs"][key] = {"variant": variant, "seed": seed,
+                                    "metrics": read_metrics(run_dir / "metrics.jsonl")}
+            tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
+            for name in heldouts:
+                results["evals"][f"{key}/{name}"] = evaluate(
+                    cfg, work, f"{key}-{name}", ["--load", str(run_dir / "ckpt")], data[name],
+                    f"{run_dir}:{tracker.stat().st_mtime}")
+            (work / "results.json").write_text(json.dumps(results, indent=1))
+    write_report(results, Path(cfg.report_dir).resolve())
+    return results
+
+
+# --------------------------------------------------------------------------- report
+def summarize(results: dict) -> dict:
+    """Per held-out set and variant: bpb per seed, mean, std; paired difference to CE."""
+    cfg = results["config"]
+    heldouts = sorted({k.split("/")[1] for k in results["evals"]})
+    out: dict = {}
+    for name in heldouts:
+        table = {}
+        for variant in cfg["variants_to_run"]:
+            values = {s: results["evals"][f"{variant}-s{s}/{name}"]["bits_per_byte"]
+                      for s in cfg["seeds"] if f"{variant}-s{s}/{name}" in results["evals"]}
+            if values:
+                table[variant] = values
+        before = [results["evals"][f"before-s{s}/{name}"]["bits_per_byte"] for s in cfg["seeds"]
+                  if f"before-s{s}/{name}" in results["evals"]]
+        out[name] = {"variants": table, "before": before,
+                     "teacher": results["evals"][f"teacher/{name}"]["bits_per_byte"]}
+    return out
+
+
+def _mean_std(values) -> tuple[float, float]:
+    values = list(values)
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def verdicts(results: dict) -> list[dict]:
+    """Each distillation variant against CE-only on each held-out set (paired by seed): a
+    difference is real when |mean| exceeds twice the larger of the two seed spreads."""
+    rows = []
+    for name, summary in summarize(results).items():
+        table = summary["variants"]
+        ce = table.get("ce")
+        if not ce:
+            continue
+        for variant, values in table.items():
+            if variant == "ce":
+                continue
+            seeds = sorted(set(values) & set(ce))
+            diff = [values[s] - ce[s] for s in seeds]
+            if not diff:
+                continue
+            mean, std = _mean_std(diff)
+            spread = max(_mean_std(values[s] for s in seeds)[1], _mean_std(ce[s] for s in seeds)[1])
+            gap = statistics.fmean(ce[s] for s in seeds) - summary["teacher"]
+            rows.append({"heldout": name, "variant": variant, "seeds": len(seeds),
+                         "diff": mean, "diff_std": std, "spread": spread,
+                         "real": len(seeds) > 1 and abs(mean) > 2 * spread,
+                         "gap_closed": -mean / gap if gap > 0 else math.nan})
+    return rows
+
+
+def _verdict(row: dict) -> str:
+    if not row["real"]:
+        return "within seed noise"
+    return "better than CE-only" if row["diff"] < 0 else "worse than CE-only"
+
+
+def _plot(results: dict, out: Path) -> str | None:
+    """Paired training curves: in-training held-out bits/byte per variant (mean over seeds,
+    band = min..max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg = results["config"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for variant in cfg["variants_to_run"]:
+        curves = {}
+        train = {}
+        for run in results["runs"].values():
+            if run["variant"] != variant:
+                continue
+            for r in run["metrics"]:
+                if "eval_bpb" in r:
+                    curves.setdefault(r["iteration"], []).append(r["eval_bpb"])
+                if "ce" in r and "eval_bpb" not in r:
+                    train.setdefault(r["iteration"], []).append(r["ce"])
+        label = cfg["variants"][variant]["label"]
+        for ax, data in ((axes[0], curves), (axes[1], train)):
+            if not data:
+                continue
+            steps = sorted(data)
+            mean = [statistics.fmean(data[s]) for s in steps]
+            ax.plot(steps, mean, label=label)
+            ax.fill_between(steps, [min(data[s]) for s in steps], [max(data[s]) for s in steps],
+                            alpha=0.2)
+    axes[0].set(title="held-out bits/byte during training", xlabel="step", ylabel="bits/byte")
+    axes[1].set(title="training CE (nats/token)", xlabel="step", ylabel="CE")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    path = out / f"study-{cfg['experiment']}-curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name
+
+
+def write_report(results: dict, out: Path) -> Path:
+    cfg = results["config"]
+    exp = cfg[cfg["experiment"]]
+    lines = [f"# Study ({cfg['experiment']}): does cross-tokenizer distillation beat CE-only?", ""]
+    if cfg["experiment"] == "signal":
+        s = exp["student"]
+        lines += [f"Student: Llama shape from random init (hidden {s['hidden_size']}, "
+                  f"{s['num_layers']} layers, tokenizer {exp['student_tokenizer']}); teacher: "
+                  f"{exp['teacher']} (pretrained). Seeds: student initialisation."]
+    else:
+        lines += [f"Student {exp['student']} (pretrained), teacher {exp['teacher']}. Seeds: "
+                  f"data order."]
+    tokens = exp["steps"] * exp["global_batch_size"] * exp["seq_length"]
+    lines += [f"{exp['steps']} steps x {exp['global_batch_size']} x {exp['seq_length']} = "
+              f"{tokens:,} student tokens per run; seeds {cfg['seeds']}; payload chunk "
+              f"top-{cfg['kd']['topk']} + tail, T = {cfg['kd']['temperature']}. Machine: "
+              f"{results['machine']['cpu_count']} CPUs, torch {results['machine']['torch']}, "
+              f"{results['machine']['date']}.", ""]
+    for name, summary in summarize(results).items():
+        lines += [f"## Held-out: {name} (bits per byte, mean +- std over seeds)", "",
+                  "| model | seeds | bits/byte |", "|---|---|---|"]
+        if summary["before"]:
+            m, sd = _mean_std(summary["before"])
+            lines.append(f"| student before training | {len(summary['before'])} | {m:.4f} +- "
+                         f"{sd:.4f} |")
+        for variant, values in summary["variants"].items():
+            m, sd = _mean_std(values.values())
+            lines.append(f"| {cfg['variants'][variant]['label']} | {len(values)} | {m:.4f} +- "
+                         f"{sd:.4f} |")
+        lines += [f"| teacher ({exp['teacher']}) | - | {summary['teacher']:.4f} |", ""]
+    lines += ["## Against CE-only (paired by seed)", "",
+              "A difference is called real when |mean| > 2 x the larger seed std of the two.", "",
+              "| held-out | variant | seeds | bpb - CE (mean +- std) | 2 x spread | verdict | "
+              "gap to teacher closed |", "|---|---|---|---|---|---|---|"]
+    for v in verdicts(results):
+        lines.append(f"| {v['heldout']} | {cfg['variants'][v['variant']]['label']} | "
+                     f"{v['seeds']} | {v['diff']:+.4f} +- {v['diff_std']:.4f} | "
+                     f"{2 * v['spread']:.4f} | {_verdict(v)} | "
+                     f"{100 * v['gap_closed']:.1f}% |")
+    plot = _plot(results, out)
+    if plot:
+        lines += ["", f"![curves]({plot})"]
+    path = out / f"REPORT-{cfg['experiment']}.md"
+    path.write_text("\n".join(lines) + "\n")
+    say(f"wrote {path}")
+    return path
+
+
+def main() -> None:
+    import hydra
+
+    @hydra.main(config_path=str(HERE), config_name="study", version_base=None)
+    def _main(cfg) -> None:
+        run_study(cfg)
+
+    _main()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except subprocess.CalledProcessError as exc:
+        say(f"failed: {' '.join(map(str, exc.cmd))} (exit {exc.returncode})")
+        sys.exit(1)

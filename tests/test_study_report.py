@@ -1,0 +1,48 @@
+"""The study's statistics: mean +- std per variant, paired differences to CE-only, and the rule
+that calls a difference real only beyond twice the seed spread."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"
+                       / "cross_tokenizer_distillation"))
+import study  # noqa: E402
+
+
+def _results(bpb: dict[str, list[float]], teacher: float = 1.0) -> dict:
+    seeds = [1, 2, 3]
+    evals = {"teacher/wiki": {"bits_per_byte": teacher}}
+    for variant, values in bpb.items():
+        for seed, value in zip(seeds, values):
+            evals[f"{variant}-s{seed}/wiki"] = {"bits_per_byte": value}
+    config = {"variants_to_run": list(bpb), "seeds": seeds,
+              "variants": {v: {"label": v} for v in bpb}}
+    return {"config": config, "evals": evals, "runs": {}}
+
+
+def test_a_consistent_gain_beyond_the_spread_is_real():
+    rows = study.verdicts(_results({"ce": [2.00, 2.02, 2.01], "pkl": [1.90, 1.92, 1.91],
+                                    "gold": [1.99, 2.03, 2.00]}))
+    pkl, gold = rows
+    assert pkl["variant"] == "pkl" and pkl["seeds"] == 3
+    assert pkl["diff"] == pytest.approx(-0.10) and pkl["diff_std"] == pytest.approx(0.0, abs=1e-12)
+    assert pkl["spread"] == pytest.approx(0.01) and pkl["real"]
+    assert study._verdict(pkl) == "better than CE-only"
+    # closes 0.10 of the 1.01 bits/byte between CE-only and the teacher
+    assert pkl["gap_closed"] == pytest.approx(0.10 / 1.01)
+    assert gold["diff"] == pytest.approx(-0.0033333, abs=1e-6) and not gold["real"]
+    assert study._verdict(gold) == "within seed noise"
+
+
+def test_worse_is_called_worse_and_one_seed_is_never_real():
+    rows = study.verdicts(_results({"ce": [2.0, 2.01, 2.02], "kd": [2.5, 2.51, 2.52]}))
+    assert rows[0]["real"] and study._verdict(rows[0]) == "worse than CE-only"
+    one = _results({"ce": [2.0], "kd": [1.0]})
+    one["config"]["seeds"] = [1]
+    (row,) = study.verdicts(one)
+    assert not row["real"] and math.isnan(row["spread"])
