@@ -106,7 +106,11 @@ def random_student(cfg, work: Path, seed: int) -> tuple[Path, Path]:
         tokenizer.save_pretrained(tmp)
         tmp.replace(hf)
         say(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    return hf, convert_to_megatron(name, hf, say)
+    ckpt = work / "models" / f"{name}-mcore"  # beside its HF folder: made from it, nowhere else
+    if not (ckpt / "xdistill_model.json").exists():
+        run_command([sys.executable, "-m", "conversion.cli", "hf-to-mcore", "--hf-dir", hf,
+                     "--out", ckpt, "--dtype", "fp32"], say)
+    return hf, ckpt
 
 
 def setup(cfg, work: Path) -> tuple[dict[int, ModelPair], dict]:
