@@ -156,17 +156,28 @@ def _options(cfg, data: dict, variant: dict, seed: int) -> dict:
         # signal: one data order for every seed (the seed is the student's initialisation)
         "seed": 1234 if cfg.experiment == "signal" else seed,
         "kd-loss": variant["kd_loss"], "kd-weight": variant["kd_weight"],
-        "ce-weight": variant["ce_weight"], "kd-topk": cfg.kd.topk,
-        "kd-topk-mode": cfg.kd.topk_mode, "kd-temperature": cfg.kd.temperature,
+        "ce-weight": variant["ce_weight"], **_kd(cfg, variant),
         "eval-interval": exp.eval_interval, "eval-iters": exp.eval_iters,
         "log-interval": 10, "num-workers": 1,
     }
 
 
+def _kd(cfg, variant: dict) -> dict:
+    """The payload and KD settings of a variant: the shared ``kd`` block, overridden by the
+    variant's own ``topk`` / ``topk_mode`` / ``temperature`` / ``dynamic_scaling``."""
+    get = lambda key: variant.get(key, cfg.kd.get(key))  # noqa: E731
+    out = {"kd-topk": get("topk"), "kd-topk-mode": get("topk_mode"),
+           "kd-temperature": get("temperature")}
+    if get("dynamic_scaling"):
+        out["kd-dynamic-scaling"] = True
+    return out
+
+
 def _cache_dir(cfg, work: Path, variant: dict, seed: int) -> Path:
     order = "" if cfg.experiment == "signal" else f"-seed{seed}"
-    return work / "teacher_cache" / (f"{variant['kd_loss']}-top{cfg.kd.topk}{cfg.kd.topk_mode}"
-                                     f"-T{cfg.kd.temperature}{order}")
+    kd = _kd(cfg, variant)
+    return work / "teacher_cache" / (f"{variant['kd_loss']}-top{kd['kd-topk']}"
+                                     f"{kd['kd-topk-mode']}-T{kd['kd-temperature']}{order}")
 
 
 def teacher_pass(cfg, work: Path, pair: ModelPair, data: dict, variant: dict, seed: int) -> Path:
