@@ -146,13 +146,16 @@ def main(argv: list[str] | None = None) -> int:
           f"{t_ranks} teacher rank(s) (TP={t_ranks}), {args.nproc - t_ranks} student rank(s) "
           f"(DP), teacher of step k+1 overlapping the student of step k. 'wall' is the measured "
           f"step time (the phases of the two sides overlap when disaggregated).\n")
-    head = "| placement | payload | " + " | ".join(PHASES) + " | wall | tokens/s | B/token |"
+    head = ("| placement | payload | " + " | ".join(PHASES)
+            + " | wall | wall / (teacher + student + optimizer) | tokens/s | B/token |")
     print(head)
-    print("|" + "---|" * (len(PHASES) + 5))
+    print("|" + "---|" * (len(PHASES) + 6))
     for placement, topk, (mean, wall, tok_s, bpt) in rows:
         name = f"chunk top-{topk} + tail" if topk else "full vocabulary"
         cells = " | ".join(f"{mean[p]:.2f}" for p in PHASES)
-        print(f"| {placement} | {name} | {cells} | {wall:.2f} | {tok_s:.0f} | {bpt:,.0f} |")
+        parts = mean["teacher"] + mean["student"] + mean["optimizer"]
+        print(f"| {placement} | {name} | {cells} | {wall:.2f} | {wall / parts:.2f} | "
+              f"{tok_s:.0f} | {bpt:,.0f} |")
     return 0
 
 

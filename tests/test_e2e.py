@@ -211,3 +211,18 @@ def test_ray_launcher_matches_torchrun(e2e_setup):
         got = run_ray(_argv(root, s_tok, t_tok, "ray", extra), entry_point=DEFAULT_ENTRY_POINT)
     assert got.code == 0, got.err
     assert _losses(root, "ray") == _losses(root, "torchrun")
+
+
+def test_teacher_length_is_derived_from_the_data(e2e_setup, e2e_pool):
+    """Without --teacher-seq-length the run measures the tokenizers' ratio on its data and
+    sizes the teacher sample to it; every step reports the teacher's fill (real tokens over
+    token slots), which padding no longer dominates (2 x --seq-length filled about half)."""
+    root, s_tok, t_tok = e2e_setup
+    argv = _argv(root, s_tok, t_tok, "derived_length", ["--tensor-model-parallel-size", "2",
+                                                         "--train-iters", "2"])
+    at = argv.index("--teacher-seq-length")
+    del argv[at: at + 2]
+    e2e_pool.run(_run_main, argv)
+    records = [json.loads(x) for x in (root / "derived_length.jsonl").read_text().splitlines()]
+    fills = [r["teacher_fill"] for r in records if "kd" in r]
+    assert len(fills) == 2 and all(0.8 <= f <= 1.0 for f in fills), fills

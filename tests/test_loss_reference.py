@@ -212,3 +212,19 @@ def test_tail_row_sums_match_dense_products(rows):
     split.scale_(out, base, a)
     torch.testing.assert_close(out, p * (base[:, None] + a[:, None] * dense_r), rtol=1e-5,
                                atol=1e-7)
+
+
+def test_payload_rows_of_several_samples_are_gathered_not_copied_whole():
+    """Routed payloads of several samples are a strided view into the flat rows; the loss
+    gathers chunk rows from it without materialising the whole part (and gets the same rows
+    as from a contiguous copy)."""
+    from megatron_xdistill.loss.modes import _rows_of
+    from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+
+    spec = PayloadSpec("full", 5, 7)
+    flat = torch.randn(3, spec.numel)
+    part = TeacherPayload.from_flat(flat, spec).logprobs  # [3, 5, 7], a view into ``flat``
+    assert not part.is_contiguous() and part.data_ptr() == flat.data_ptr()
+    keys = torch.tensor([0, 4, 7, 14, 9])
+    torch.testing.assert_close(_rows_of(part, keys),
+                               part.contiguous().reshape(-1, 7).index_select(0, keys))

@@ -47,7 +47,13 @@ class BlockData:
 
 
 def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    return payload_part.reshape(-1, *payload_part.shape[2:]).index_select(0, keys)
+    """Rows ``keys`` (flat b * C + c) of a payload part [B, C, ...]. With several samples the
+    part is a strided view into the flat payloads: gather the rows, never reshape the whole
+    part (a copy of all of it, per call: per block for the full and gold forms)."""
+    if payload_part.is_contiguous():
+        return payload_part.reshape(-1, *payload_part.shape[2:]).index_select(0, keys)
+    chunks = payload_part.shape[1]
+    return payload_part[torch.div(keys, chunks, rounding_mode="floor"), keys % chunks]
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:

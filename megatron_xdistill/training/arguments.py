@@ -87,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-field", default="text", help="field/column holding the text")
     g.add_argument("--seq-length", type=int, required=True, help="student sequence length")
     g.add_argument("--teacher-seq-length", type=int, default=None,
-                   help="teacher sequence length (default: 2 x --seq-length)")
+                   help="teacher sequence length (default: derived from the data: the 98th "
+                   "percentile of the teacher / student token ratio on a sample of the "
+                   "documents times --seq-length, so little of the teacher's forward is "
+                   "spent on padding)")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     g.add_argument("--data-cache-path", default=None,
                    help="where packing plans are cached (default: <save>/data_cache)")
@@ -175,8 +178,6 @@ def _check(condition: bool, message: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check sizes and paths up front; fill derived values. Messages say what to change."""
-    if args.teacher_seq_length is None:
-        args.teacher_seq_length = 2 * args.seq_length
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     full = args.recompute_granularity == "full"
@@ -213,17 +214,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                    f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size or the "
                    f"number of ranks (torchrun --nproc-per-node)")
         dp[who] = ranks[who] // (tp * pp * cp)
-        seq = args.seq_length if who == "student" else args.teacher_seq_length
-        _check(seq % (2 * cp) == 0 if cp > 1 else True,
-               f"{who} sequence length {seq} must be divisible by 2 x context-parallel size "
-               f"({2 * cp})")
         if getattr(args, f"{prefix}sequence_parallel"):
             _check(tp > 1, f"{flag}sequence-parallel needs {flag}tensor-model-parallel-size > 1 "
                    f"(it splits the sequence over the TP ranks)")
-            parts = tp * (2 * cp if cp > 1 else 1)
-            _check(seq % parts == 0,
-                   f"{who} sequence length {seq} must be divisible by {parts} with "
-                   f"{flag}sequence-parallel (TP {tp}" + (f" x 2 x CP {cp})" if cp > 1 else ")"))
+        seq = args.seq_length if who == "student" else args.teacher_seq_length
+        if seq is not None:  # None: the teacher's length is derived from the data later
+            check_sequence_length(args, who, seq)
     _check(args.global_batch_size % (args.micro_batch_size * dp["student"]) == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of "
            f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x "
@@ -231,7 +227,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check(args.global_batch_size % dp["teacher"] == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of the teacher's "
            f"data-parallel size {dp['teacher']}")
-    _check(args.teacher_seq_length >= args.seq_length // 2,
+    _check(args.teacher_seq_length is None or args.teacher_seq_length >= args.seq_length // 2,
            f"--teacher-seq-length {args.teacher_seq_length} is too short for --seq-length "
            f"{args.seq_length}: the teacher must cover the student's text (use about "
            f"1-2 x --seq-length depending on the tokenizers)")
@@ -262,6 +258,33 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.data_cache_path is None:
         args.data_cache_path = os.path.join(args.save, "data_cache") if args.save else None
     return args
+
+
+def sequence_multiple(args: argparse.Namespace, who: str) -> int:
+    """What a side's sequence length must be a multiple of: 2 x CP with context parallelism,
+    times TP with sequence parallelism."""
+    prefix = "" if who == "student" else "teacher_"
+    cp = getattr(args, f"{prefix}context_parallel_size")
+    parts = 2 * cp if cp > 1 else 1
+    if getattr(args, f"{prefix}sequence_parallel"):
+        parts *= getattr(args, f"{prefix}tensor_model_parallel_size")
+    return parts
+
+
+def check_sequence_length(args: argparse.Namespace, who: str, seq: int) -> None:
+    """A side's sequence length against its context / sequence parallelism."""
+    prefix = "" if who == "student" else "teacher_"
+    flag = "--" + prefix.replace("_", "-")
+    cp = getattr(args, f"{prefix}context_parallel_size")
+    tp = getattr(args, f"{prefix}tensor_model_parallel_size")
+    _check(seq % (2 * cp) == 0 if cp > 1 else True,
+           f"{who} sequence length {seq} must be divisible by 2 x context-parallel size "
+           f"({2 * cp})")
+    parts = sequence_multiple(args, who)
+    if getattr(args, f"{prefix}sequence_parallel"):
+        _check(seq % parts == 0,
+               f"{who} sequence length {seq} must be divisible by {parts} with "
+               f"{flag}sequence-parallel (TP {tp}" + (f" x 2 x CP {cp})" if cp > 1 else ")"))
 
 
 def _check_teacher_cache(args: argparse.Namespace) -> None:

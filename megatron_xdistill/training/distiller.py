@@ -389,15 +389,18 @@ class Distiller:
         return [i for i in samples
                 if student_replica_of(i, self.mbs, self.student_layout.dp)[0] == s_dp]
 
-    def _global_counts(self, samples: dict[int, dict]) -> tuple[float, float]:
-        """Valid chunks and label tokens in the whole global batch (all-reduced over DP)."""
-        local = self._local_positions(samples)
-        batch = collate_samples([samples[i] for i in local])
+    def _global_counts(self, samples: dict[int, dict]) -> tuple[float, float, float]:
+        """Valid chunks, label tokens and the teacher's fill (the share of its sample's token
+        slots that hold real tokens, not padding) in the whole global batch (over DP)."""
+        local = [samples[i] for i in self._local_positions(samples)]
+        batch = collate_samples(local)
         counts = torch.tensor([float(self.kd.count_chunks(batch)),
-                               float(batch["loss_mask"].sum())], dtype=torch.float64,
-                              device=self.device)
+                               float(batch["loss_mask"].sum()),
+                               float(sum(s["teacher_length"] for s in local)),
+                               float(len(local) * (self.args.teacher_seq_length + 1))],
+                              dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.student_groups.pg_collection.dp)
-        return counts[0].item(), counts[1].item()
+        return counts[0].item(), counts[1].item(), counts[2].item() / max(counts[3].item(), 1)
 
     def _student_microbatches(self, samples, payloads) -> list[dict]:
         s_dp = self.student_groups.coords["dp"]
@@ -486,7 +489,7 @@ class Distiller:
                       teacher_seconds: float) -> dict[str, float]:
         """Student forward/backward and optimizer step, given this rank's payloads."""
         t2 = _now(self.device)
-        n_chunks, n_tokens = self._global_counts(samples)
+        n_chunks, n_tokens, teacher_fill = self._global_counts(samples)
         batches = self._student_microbatches(samples, payloads)
         groups = self.student_groups
         self.student.zero_grad_buffer()
@@ -529,6 +532,7 @@ class Distiller:
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "lr": lr, "skipped": int(not ok),
                 "chunks": int(n_chunks), "tokens": int(n_tokens),
+                "teacher_fill": round(teacher_fill, 4),
                 "shipped_bytes_per_token": round(self.shipped_bytes_per_step / max(n_tokens, 1.0),
                                                  1)}
 

@@ -39,20 +39,36 @@ def _log(message: str) -> None:
         print(message, flush=True)
 
 
-def _plan(args, paths, aligner, num_samples: int, what: str):
-    """Packing plan: rank 0 builds (or finds in the cache) and writes it; the others read it."""
-    from megatron_xdistill.data.packing import (
-        build_plan,
-        load_documents,
-        load_plan,
-        plan_key,
-        save_plan,
-    )
+def _documents(args, paths, what: str):
+    """``(sources, documents, documents per source)`` of ``--data-path`` / ``--valid-data-path``."""
+    from megatron_xdistill.data.packing import load_documents
     from megatron_xdistill.data.sources import parse_data_path
 
-    flag = "--data-path" if what == "train" else "--valid-data-path"
-    sources = parse_data_path(paths, flag)
-    documents, counts = load_documents(sources, args.text_field)
+    sources = parse_data_path(paths, "--data-path" if what == "train" else "--valid-data-path")
+    return (sources, *load_documents(sources, args.text_field))
+
+
+def _derive_teacher_length(args, documents, aligner) -> None:
+    """``--teacher-seq-length`` from the data when not given (every rank alike: the same
+    documents and tokenizers give the same length, no collective needed)."""
+    from megatron_xdistill.data.lengths import teacher_length_from_data
+    from megatron_xdistill.training.arguments import check_sequence_length, sequence_multiple
+
+    if args.teacher_seq_length is not None:
+        return
+    choice = teacher_length_from_data(documents, aligner, args.seq_length,
+                                      multiple=sequence_multiple(args, "teacher"))
+    args.teacher_seq_length = choice.teacher_seq_length
+    check_sequence_length(args, "teacher", args.teacher_seq_length)
+    _log(f"> {choice.describe()}")
+
+
+def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
+    """Packing plan: rank 0 builds (or finds in the cache) and writes it; the others read it.
+    ``loaded``: the ``_documents`` of ``paths`` when already read."""
+    from megatron_xdistill.data.packing import build_plan, load_plan, plan_key, save_plan
+
+    sources, documents, counts = loaded or _documents(args, paths, what)
     key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
                    args.seq_length, args.teacher_seq_length, args.seed, num_samples)
     cache = args.data_cache_path or os.path.join(os.getcwd(), ".xdistill_cache")
@@ -104,6 +120,8 @@ def _train(args) -> int:
     torch.manual_seed(args.seed)
     aligner = TokenAligner(load_tokenizer(args.tokenizer_model),
                            load_tokenizer(args.teacher_tokenizer_model))
+    train_docs = _documents(args, args.data_path, "train")
+    _derive_teacher_length(args, train_docs[1], aligner)
     # Resume from --save if it holds a run, else from --load if that is a run; otherwise --load
     # is a converted model (xdistill-convert) and training starts at iteration 0.
     resume_from = None if args.teacher_cache_only else next(
@@ -119,7 +137,7 @@ def _train(args) -> int:
         iteration = distiller.resume(resume_from)["iteration"]
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
-    documents, plan = _plan(args, args.data_path, aligner, num_samples, "train")
+    documents, plan = _plan(args, args.data_path, aligner, num_samples, "train", train_docs)
     if cache is not None:  # rank 0 starts a new cache's manifest; writer / reader per rank
         cache.attach(distiller.teacher_info.to_dict(), num_samples, distiller.kd.payload_numel,
                      rank, writer=distiller.has_teacher and distiller.teacher_groups.is_last_stage,
