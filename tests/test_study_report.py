@@ -20,9 +20,11 @@ def _results(bpb: dict[str, list[float]], teacher: float = 1.0) -> dict:
     for variant, values in bpb.items():
         for seed, value in zip(seeds, values):
             evals[f"{variant}-s{seed}/wiki"] = {"bits_per_byte": value}
+    runs = {f"{v}-s{s}": {"variant": v, "seed": s, "metrics": []}
+            for v, values in bpb.items() for s in seeds[: len(values)]}
     config = {"variants_to_run": list(bpb), "seeds": seeds,
               "variants": {v: {"label": v} for v in bpb}}
-    return {"config": config, "evals": evals, "runs": {}}
+    return {"config": config, "evals": evals, "runs": runs}
 
 
 def test_a_consistent_gain_beyond_the_spread_is_real():
@@ -42,7 +44,5 @@ def test_a_consistent_gain_beyond_the_spread_is_real():
 def test_worse_is_called_worse_and_one_seed_is_never_real():
     rows = study.verdicts(_results({"ce": [2.0, 2.01, 2.02], "kd": [2.5, 2.51, 2.52]}))
     assert rows[0]["real"] and study._verdict(rows[0]) == "worse than CE-only"
-    one = _results({"ce": [2.0], "kd": [1.0]})
-    one["config"]["seeds"] = [1]
-    (row,) = study.verdicts(one)
+    (row,) = study.verdicts(_results({"ce": [2.0], "kd": [1.0]}))
     assert not row["real"] and math.isnan(row["spread"])

@@ -272,6 +272,10 @@ def run_study(cfg) -> dict:
     heldouts = [k for k in data if k != "train"]
     results: dict = {"config": OmegaConf.to_container(cfg, resolve=True), "machine": machine(),
                      "runs": {}, "evals": {}}
+    earlier = work / "results.json"
+    if earlier.is_file():  # earlier invocations' runs (other variants or seeds) stay reported
+        old = json.loads(earlier.read_text())
+        results["runs"], results["evals"] = old.get("runs", {}), old.get("evals", {})
     first = pairs[cfg.seeds[0]]
     for name in heldouts:  # the teacher, and each seed's student before training
         results["evals"][f"teacher/{name}"] = evaluate(
@@ -300,20 +304,29 @@ def run_study(cfg) -> dict:
 
 
 # --------------------------------------------------------------------------- report
+def _variants(results: dict) -> list[str]:
+    """Variants with runs in ``results``, in the config's order."""
+    done = {run["variant"] for run in results["runs"].values()}
+    return [v for v in results["config"]["variants"] if v in done]
+
+
+def _seeds(results: dict) -> list[int]:
+    return sorted({run["seed"] for run in results["runs"].values()})
+
+
 def summarize(results: dict) -> dict:
     """Per held-out set and variant: bpb per seed, mean, std; paired difference to CE."""
-    cfg = results["config"]
     heldouts = sorted({k.split("/")[1] for k in results["evals"]})
     out: dict = {}
     for name in heldouts:
         table = {}
-        for variant in cfg["variants_to_run"]:
+        for variant in _variants(results):
             values = {s: results["evals"][f"{variant}-s{s}/{name}"]["bits_per_byte"]
-                      for s in cfg["seeds"] if f"{variant}-s{s}/{name}" in results["evals"]}
+                      for s in _seeds(results) if f"{variant}-s{s}/{name}" in results["evals"]}
             if values:
                 table[variant] = values
-        before = [results["evals"][f"before-s{s}/{name}"]["bits_per_byte"] for s in cfg["seeds"]
-                  if f"before-s{s}/{name}" in results["evals"]]
+        before = [results["evals"][f"before-s{s}/{name}"]["bits_per_byte"]
+                  for s in _seeds(results) if f"before-s{s}/{name}" in results["evals"]]
         out[name] = {"variants": table, "before": before,
                      "teacher": results["evals"][f"teacher/{name}"]["bits_per_byte"]}
     return out
@@ -366,7 +379,7 @@ def _plot(results: dict, out: Path) -> str | None:
 
     cfg = results["config"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for variant in cfg["variants_to_run"]:
+    for variant in _variants(results):
         curves = {}
         train = {}
         for run in results["runs"].values():
@@ -410,7 +423,7 @@ def write_report(results: dict, out: Path) -> Path:
                   f"data order."]
     tokens = exp["steps"] * exp["global_batch_size"] * exp["seq_length"]
     lines += [f"{exp['steps']} steps x {exp['global_batch_size']} x {exp['seq_length']} = "
-              f"{tokens:,} student tokens per run; seeds {cfg['seeds']}; payload chunk "
+              f"{tokens:,} student tokens per run; seeds {_seeds(results)}; payload chunk "
               f"top-{cfg['kd']['topk']} + tail, T = {cfg['kd']['temperature']}. Machine: "
               f"{results['machine']['cpu_count']} CPUs, torch {results['machine']['torch']}, "
               f"{results['machine']['date']}.", ""]
