@@ -231,8 +231,16 @@ def load_documents(sources: Sequence[DataSource], text_field: str) -> tuple[list
     counts = []
     for source in sources:
         docs = read_documents(source.path, text_field)
+        if source.weight is not None and not any(d.strip() for d in docs):
+            raise ValueError(f"{source.path}: no text (field {text_field!r}) to draw its weight "
+                             f"{source.weight} from; remove it from --data-path or fill it")
         documents.extend(docs)
         counts.append(len(docs))
+    if not documents:
+        raise ValueError(f"no documents in {[s.path for s in sources]}")
+    if not any(d.strip() for d in documents):
+        raise ValueError(f"every document in {[s.path for s in sources]} is empty (field "
+                         f"{text_field!r}); is --text-field the field that holds the text?")
     return documents, counts
 
 

@@ -76,8 +76,15 @@ def _check_text(value: object, where: str, field: str) -> str:
 
 def _read_jsonl(path: str, field: str) -> list[str]:
     docs = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start} of the "
+                    f"line, {raw[max(exc.start - 8, 0): exc.start + 8]!r}); JSON Lines files "
+                    f"must be UTF-8: re-encode the file") from None
             if not line.strip():
                 continue
             try:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
 from megatron_xdistill import mcore_compat
 
@@ -100,8 +101,15 @@ def read_model_json(path: str) -> dict[str, Any]:
         raise CheckpointError(
             f"{path}: no {MODEL_INFO_FILE}; not a megatron-xdistill checkpoint (create one with "
             "`xdistill-convert hf-to-mcore`)")
-    with open(info_path) as fh:
-        data = json.load(fh)
+    try:
+        with open(info_path) as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{info_path}: not valid JSON ({err}); the checkpoint's model "
+                              f"description is damaged: convert the model again") from None
+    if not isinstance(data, dict) or "model_info" not in data:
+        raise CheckpointError(f"{info_path}: no 'model_info'; the checkpoint's model description "
+                              f"is damaged: convert the model again")
     if data.get("format") != FORMAT:
         raise CheckpointError(f"{info_path}: format {data.get('format')!r}, expected {FORMAT!r}")
     if int(data.get("version", 0)) > FORMAT_VERSION:
@@ -113,6 +121,23 @@ def read_model_json(path: str) -> dict[str, Any]:
 def load_model_info(path: str) -> ModelInfo:
     """ModelInfo of a checkpoint (a converted checkpoint, or a training root / iteration)."""
     return ModelInfo.from_dict(read_model_json(path)["model_info"])
+
+
+#: A model's embedding may have more rows than its tokenizer has tokens (padded to a multiple,
+#: reserved ids: Qwen2.5 151,936 for 151,665 tokens), but not this many times as many.
+VOCAB_SLACK = 1.1
+
+
+def check_tokenizer_fits(info: ModelInfo, tokenizer_size: int, checkpoint: str,
+                         tokenizer: str, who: str) -> None:
+    """Refuse a checkpoint whose vocabulary is not its tokenizer's: more tokens than embedding
+    rows (ids would index past the embedding), or far fewer (another tokenizer)."""
+    size = info.vocab_size
+    if tokenizer_size > size or size > VOCAB_SLACK * tokenizer_size:
+        raise CheckpointError(
+            f"the {who} checkpoint {checkpoint} has a vocabulary of {size} but its tokenizer "
+            f"{tokenizer} has {tokenizer_size} tokens: they do not belong together (pass the "
+            f"tokenizer the model was trained with)")
 
 
 def hf_files_dir(path: str) -> str | None:
@@ -230,6 +255,16 @@ def save_megatron_checkpoint(
     return ckpt_dir
 
 
+def _first_cause(err: BaseException) -> str:
+    """One line for an error: torch's CheckpointException carries each rank's own."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        err = first[0] if isinstance(first, tuple) else first
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[-1] if lines else ''}"[:500]
+
+
 def load_megatron_checkpoint(
     model, ckpt_dir: str, pg_collection: ProcessGroupCollection | None = None,
     process_group=None,
@@ -241,8 +276,17 @@ def load_megatron_checkpoint(
     teacher ranks of a disaggregated run, which load while the student ranks load theirs."""
     path = resolve_checkpoint_dir(ckpt_dir)
     request = sharded_model_state_dict(model, pg_collection)
-    state = dist_checkpointing.load(request, path, strict=StrictHandling.RAISE_UNEXPECTED,
-                                    process_group=process_group)
+    try:
+        state = dist_checkpointing.load(request, path, strict=StrictHandling.RAISE_UNEXPECTED,
+                                        process_group=process_group)
+    except CheckpointError:
+        raise
+    # torch's CheckpointException (a read that failed) is a BaseException
+    except (Exception, TorchCheckpointException) as err:  # noqa: BLE001 - name the checkpoint
+        raise CheckpointError(
+            f"{path}: cannot load the model from this checkpoint ({_first_cause(err)}); it is "
+            f"incomplete or corrupt, or was made for another architecture: point --load / "
+            f"--teacher-load at an intact checkpoint") from err
     # dist_checkpointing merges the checkpoint's common (non-tensor) state into the result: a
     # training checkpoint's "iteration", "common", "scheduler", optimizer param groups. Keep
     # only what the model asked for.

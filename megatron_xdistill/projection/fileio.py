@@ -70,9 +70,19 @@ def write_projection_file(
 
 def read_projection_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a projection safetensors file, checking the fields' presence, shapes and dtypes."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     path = Path(path)
+    try:
+        return _read_checked(path)
+    except SafetensorError as err:
+        raise ValueError(f"{path}: truncated or corrupt projection file ({err}); rebuild it "
+                         f"with `xdistill-projection build`") from None
+
+
+def _read_checked(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import safe_open
+
     tensors: dict[str, torch.Tensor] = {}
     with safe_open(str(path), framework="pt") as f:
         metadata = dict(f.metadata() or {})

@@ -41,7 +41,7 @@ def read_nemo_rl(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, str]:
     path = Path(path)
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
         raise ValueError(
             f"{path}: cannot be unpickled with torch.load(weights_only=True); expected {_EXPECTED} "
             f"({e})"

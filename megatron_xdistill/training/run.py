@@ -39,6 +39,19 @@ def _log(message: str) -> None:
         print(message, flush=True)
 
 
+def _check_vocabularies(args, aligner) -> None:
+    """Each checkpoint against its tokenizer, before anything is built."""
+    from megatron_xdistill import models as models_api
+
+    sides = [("student", args.load, aligner.student_tokenizer, args.tokenizer_model)]
+    if args.teacher_load is not None:
+        sides.append(("teacher", args.teacher_load, aligner.teacher_tokenizer,
+                      args.teacher_tokenizer_model))
+    for who, ckpt, tokenizer, tokenizer_path in sides:
+        models_api.check_tokenizer_fits(models_api.load_model_info(ckpt), len(tokenizer), ckpt,
+                                        tokenizer_path, who)
+
+
 def _documents(args, paths, what: str):
     """``(sources, documents, documents per source)`` of ``--data-path`` / ``--valid-data-path``."""
     from megatron_xdistill.data.packing import load_documents
@@ -120,6 +133,7 @@ def _train(args) -> int:
     torch.manual_seed(args.seed)
     aligner = TokenAligner(load_tokenizer(args.tokenizer_model),
                            load_tokenizer(args.teacher_tokenizer_model))
+    _check_vocabularies(args, aligner)
     train_docs = _documents(args, args.data_path, "train")
     _derive_teacher_length(args, train_docs[1], aligner)
     # Resume from --save if it holds a run, else from --load if that is a run; otherwise --load
