@@ -9,6 +9,8 @@ rest of the project (and its tests) can use ``megatron.core`` exactly as on a GP
 One fix here applies on GPUs too: Megatron-Core 0.19 still reads the global parallel_state in
 one checkpoint path of models built from a ``pg_collection`` (see
 :func:`_patch_tied_embedding_checkpoint`); the student and the teacher never share that state.
+And without TE/Apex its distributed optimizer cannot load its own fully reshardable checkpoint
+into torch's Adam (:func:`_patch_distributed_optimizer_step_state`).
 
 Call :func:`install` before using ``megatron.core`` (every module of ours that needs it does).
 """
@@ -276,6 +278,42 @@ def _patch_tied_embedding_checkpoint() -> None:
     lm.LanguageModule.tie_embeddings_and_output_weights_state_dict = tie
 
 
+class _SkipAbsent(dict):
+    """A state dict in which a key the checkpoint does not hold reads as "nothing to copy"."""
+
+    def __missing__(self, key: str) -> None:
+        return None
+
+
+def _patch_distributed_optimizer_step_state() -> None:
+    """Covers: DistributedOptimizer.load_state_dict with torch's Adam (no TE/Apex, also on GPUs).
+    Megatron gives every parameter's state one shared ``step`` tensor, which torch's Adam then
+    increments once per parameter (step 1 resumes as step 1 + number of parameters: wrong bias
+    correction); each parameter gets its own copy. And the fully reshardable load copies a
+    per-parameter ``step`` from the checkpoint, where it is not (Megatron restores it from the
+    param groups); absent keys are skipped."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+    if getattr(set_states, "_xdistill_patched", False):
+        return
+    load = DistributedOptimizer.load_state_dict
+
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        return set_states(self, model_param, _SkipAbsent(tensors))
+
+    def load_state_dict(self, state_dict):
+        result = load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    set_main_param_and_optimizer_states._xdistill_patched = True
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict
+
+
 def install() -> None:
     """Install all CPU workarounds (idempotent). Does nothing when CUDA is available."""
     global _INSTALLED, _CUDA_MODE
@@ -285,6 +323,7 @@ def install() -> None:
     _quiet_import_warnings()
     _stub_triton_paged_stash()
     _patch_tied_embedding_checkpoint()
+    _patch_distributed_optimizer_step_state()
     if cuda_available():
         return
     _patch_torch_cuda()

@@ -48,6 +48,9 @@ def test_defaults_are_derived(base):
     (["--recompute-num-layers", "2"], 1, r"apply to --recompute-granularity full only"),
     (["--recompute-granularity", "full", "--recompute-method", "block",
       "--recompute-num-layers", "0"], 1, r"--recompute-num-layers must be >= 1, got 0"),
+    (["--optimizer", "sgd", "--use-distributed-optimizer"], 2,
+     r"--optimizer sgd does not work with --use-distributed-optimizer"),
+    (["--optimizer", "sgd", "--sgd-momentum", "1"], 1, r"--sgd-momentum 1.0 must be in \[0, 1\)"),
 ])
 def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):

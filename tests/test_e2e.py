@@ -172,6 +172,19 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
     assert (root / "full" / "hf_files" / "config.json").is_file()  # export needs no template
 
 
+def test_resume_into_another_layout_with_the_distributed_optimizer(e2e_setup, e2e_reference,
+                                                                   e2e_pool):
+    """A run saved at TP1 PP1 DP4 (distributed optimizer: Adam's state sharded over DP) resumes
+    at TP2 PP2 DP1 and continues with the uninterrupted single-rank run's losses."""
+    root, s_tok, t_tok = e2e_setup
+    save = ["--save", str(root / "relayout"), "--save-interval", "1", "--use-distributed-optimizer"]
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "relayout", save + ["--exit-interval", "1"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "relayout",
+                                  save + ["--tensor-model-parallel-size", "2",
+                                          "--pipeline-model-parallel-size", "2"]))
+    assert_losses_match(_losses(root, "relayout"), e2e_reference, "resumed in another layout")
+
+
 def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(e2e_setup, e2e_pool):
     """--kd-weight 0 skips the teacher (not loaded, not run) and needs no projection; the
     student's CE per step equals a run that computes the teacher and KD but weighs it by 1e-30

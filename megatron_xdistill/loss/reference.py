@@ -54,6 +54,16 @@ def _chunk_mean(member: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return member @ values / member.sum(-1, keepdim=True).clamp_min(1)
 
 
+def _project(probs: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
+    """``probs`` [..., V_s] @ W [V_s, V_t]; W dense or sparse COO (real vocabularies: a dense
+    W of 49k x 152k would take 30 GB)."""
+    if not projection.is_sparse:
+        return probs @ projection.float()
+    flat = probs.reshape(-1, probs.shape[-1])
+    out = torch.sparse.mm(projection.float().t().coalesce(), flat.t()).t()
+    return out.reshape(*probs.shape[:-1], projection.shape[1])
+
+
 def kd_loss_details(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -70,6 +80,7 @@ def kd_loss_details(
     vocab_topk: int | None = None,
     chunk_topk: int | None = None,
     uncommon_topk: int = UNCOMMON_TOPK,
+    common: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> ReferenceDetails:
     """Per-chunk losses; see :func:`kd_loss`."""
     check_mode(mode)
@@ -86,7 +97,7 @@ def kd_loss_details(
     logp_t = F.log_softmax(u, dim=-1)
 
     if mode == "pkl":
-        q_mean = _chunk_mean(m_s, logp_s.exp() @ projection.float())  # [B, C, V_t]
+        q_mean = _chunk_mean(m_s, _project(logp_s.exp(), projection))  # [B, C, V_t]
         tail = total = None
         if vocab_topk is not None:
             importance = teacher_logits.float().reshape(-1, teacher_logits.shape[-1]).amax(0)
@@ -102,7 +113,7 @@ def kd_loss_details(
         kl = projected_kl(t_log, q_k, total, reverse, tail)
         top1 = q_k.argmax(-1) == t_log.argmax(-1)
     else:
-        common_s, common_t = common_vocab_from_dense(projection, mode)
+        common_s, common_t = common or common_vocab_from_dense(projection, mode)
         a = _chunk_mean(m_s, logp_s)
         b = _chunk_mean(m_t, logp_t)
         vs, vt = a.shape[-1], b.shape[-1]
@@ -139,16 +150,19 @@ def kd_loss(
     vocab_topk: int | None = None,
     chunk_topk: int | None = None,
     uncommon_topk: int = UNCOMMON_TOPK,
+    common: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Cross-tokenizer KD loss (scalar): T^2 * mean over counted chunks of KL_c.
 
     ``student_logits`` [B, T_s, V_s], ``teacher_logits`` [B, T_t, V_t], chunk ids [B, T] (the
     unshifted chunk of each token, -1 none), ``chunk_valid``/``chunk_exact`` [B, C], ``projection``
-    dense W [V_s, V_t]. ``mode``: "pkl" (projected KL), "gold" (strict common vocabulary) or
-    "hkl" (xtoken common vocabulary). ``reverse``: KL(student || teacher).
+    W [V_s, V_t] (dense, or sparse COO for real vocabularies). ``mode``: "pkl" (projected KL),
+    "gold" (strict common vocabulary) or "hkl" (xtoken common vocabulary); ``common``: their
+    (student_ids, teacher_ids) pairs when already known (else taken from a dense W).
+    ``reverse``: KL(student || teacher).
     """
     return kd_loss_details(
         student_logits, teacher_logits, student_chunk_id, teacher_chunk_id, chunk_valid,
         chunk_exact, projection, mode, temperature, reverse, exact_only,
-        vocab_topk=vocab_topk, chunk_topk=chunk_topk, uncommon_topk=uncommon_topk,
+        vocab_topk=vocab_topk, chunk_topk=chunk_topk, uncommon_topk=uncommon_topk, common=common,
     ).loss

@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="default: --train-iters")
+    g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                   help="Megatron's optimizer (sgd: plain SGD with --sgd-momentum)")
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -231,6 +234,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            f"--teacher-seq-length {args.teacher_seq_length} is too short for --seq-length "
            f"{args.seq_length}: the teacher must cover the student's text (use about "
            f"1-2 x --seq-length depending on the tokenizers)")
+    _check(not (args.optimizer == "sgd" and args.use_distributed_optimizer),
+           "--optimizer sgd does not work with --use-distributed-optimizer: Megatron-Core's "
+           "distributed optimizer shards Adam's state only (use --optimizer adam, or drop "
+           "--use-distributed-optimizer)")
+    _check(0 <= args.sgd_momentum < 1, f"--sgd-momentum {args.sgd_momentum} must be in [0, 1)")
     _check(args.kd_temperature > 0, "--kd-temperature must be > 0")
     _check(args.kd_topk >= 0, "--kd-topk must be >= 0 (0 = full teacher vocabulary)")
     _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")

@@ -87,6 +87,11 @@ def _shared_common(state: dict) -> dict:
     return {key: state[key] for key in _SHARED_KEYS if key in state}
 
 
+# The distributed optimizer's state in model space (gathered over DP at save): a run resumes it
+# in any layout (Megatron-Core's default format cannot be saved with this version's checkpointing).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_cp_group,
                     common: dict, partial_world: bool = False) -> str:
     """Collective over the world: write the checkpoint of ``iteration`` under ``root``; returns
@@ -110,7 +115,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
         model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
         state = {"model": model_state, **state}
         if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(model_state)
+            state["optimizer"] = optimizer.sharded_state_dict(model_state,
+                                                              metadata=OPTIMIZER_METADATA)
         if scheduler is not None:
             state["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(
@@ -140,7 +146,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
     model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
     request = {"model": model_state}
     if optimizer is not None:
-        request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True)
+        _create_optimizer_state(optimizer)
+        request["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=True,
+                                                            metadata=OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(request, path, process_group=process_group)
     model.load_state_dict(loaded["model"])
     if optimizer is not None:
@@ -152,6 +160,26 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
     if os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=False))
     return _position(common_state, iteration)
+
+
+def _create_optimizer_state(optimizer) -> None:
+    """Megatron-Core's distributed optimizer lists its state (Adam's step) before loading into
+    it, which a fresh run does not have yet without TE/Apex: one zero-gradient step creates it.
+    That step runs at lr 0 and weight decay 0, so it changes no parameter (its main copies of the
+    parameters are not all overwritten by the load)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(part, DistributedOptimizer) and not part.optimizer.state:
+            groups = part.optimizer.param_groups
+            kept = [(g["lr"], g["weight_decay"]) for g in groups]
+            for g in groups:
+                g["lr"], g["weight_decay"] = 0.0, 0.0
+            try:
+                part._init_optimizer_states_with_dummy_values()
+            finally:
+                for g, (lr, wd) in zip(groups, kept):
+                    g["lr"], g["weight_decay"] = lr, wd
 
 
 def _position(common_state: dict, iteration: int) -> dict:

@@ -302,7 +302,8 @@ class Distiller:
                                                pg_collection=self.student_groups.pg_collection)
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
+                min_lr=args.min_lr, weight_decay=args.weight_decay,
                 adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                 clip_grad=args.clip_grad, bf16=args.bf16, params_dtype=dtype,
                 use_distributed_optimizer=args.use_distributed_optimizer,

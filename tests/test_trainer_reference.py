@@ -1,0 +1,230 @@
+"""The trainer against an independent reference: HF transformers models and dense losses.
+
+For the first global batch of a ``pretrain_xdistill`` run, the reported KD and CE equal
+``loss.reference`` evaluated on HF transformers logits of the same models (the HF folders the
+Megatron checkpoints were converted from) over the same samples and alignment, for every payload
+form and loss mode, reverse KL and temperature != 1. After one plain-SGD step (no Adam: Adam hides a
+constant gradient scale) the student exported back to HF equals the HF student after
+``loss.backward()`` and ``p -= lr * grad``, in several student/teacher layouts (TP, CP, PP, DP with
+the distributed optimizer) and with dynamic scaling. This checks the trainer's correctness, not
+only its invariance across layouts (test_e2e).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_e2e import ASSETS, _argv, _losses, _run_main
+
+from megatron_xdistill.testing.multirank import RankPool
+
+pytestmark = pytest.mark.skipif(not (ASSETS / "tokenizers").is_dir(),
+                                reason=f"shared assets not found at {ASSETS}")
+SEQ, TEACHER_SEQ, GBS, SEED = 32, 40, 4, 1234
+RTOL = 1e-5  # fp32 on CPU: Megatron's kernels against HF's
+LR = 100.0   # SGD: the parameter change is the gradient itself (large against fp32 rounding)
+
+
+def _one_step_argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
+    argv = _argv(root, s_tok, t_tok, name, ["--data-cache-path", str(root / f"{name}_cache"),
+                                            *extra])
+    argv[argv.index("--train-iters") + 1] = "1"
+    return argv
+
+
+def _first_global_batch(root: Path, s_tok: Path, t_tok: Path) -> dict[str, torch.Tensor]:
+    """The samples of step 1 (plan indices 0..GBS-1), packed as the run packs them."""
+    from megatron_xdistill.align import TokenAligner, load_tokenizer
+    from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
+    from megatron_xdistill.data.packing import build_plan, load_documents
+    from megatron_xdistill.data.sources import parse_data_path
+
+    aligner = TokenAligner(load_tokenizer(str(s_tok)), load_tokenizer(str(t_tok)))
+    sources = parse_data_path([str(root / "train.jsonl")])
+    documents, counts = load_documents(sources, "text")
+    plan = build_plan(documents, sources, counts, aligner, SEQ, TEACHER_SEQ, SEED, GBS,
+                      log=lambda _: None)
+    dataset = DistillationDataset(documents, plan, aligner, SEQ, TEACHER_SEQ)
+    return collate_samples([dataset[i] for i in range(GBS)])
+
+
+def _hf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32,
+                                                attn_implementation="eager")
+
+
+def _sparse_projection(path: Path) -> tuple[torch.Tensor, object]:
+    from megatron_xdistill.projection import load_projection
+
+    matrix = load_projection(str(path))
+    valid = matrix.indices >= 0
+    rows = torch.nonzero(valid, as_tuple=True)[0]
+    w = torch.sparse_coo_tensor(torch.stack([rows, matrix.indices[valid].long()]),
+                                matrix.weights[valid].float(),
+                                (matrix.student_vocab_size, matrix.teacher_vocab_size),
+                                check_invariants=True)
+    return w.coalesce(), matrix
+
+
+def _padded(logits: torch.Tensor) -> torch.Tensor:
+    """One zero row after the last position: the reference takes the full (unshifted) chunk ids,
+    whose shifted last position predicts nothing."""
+    return torch.cat([logits, logits.new_zeros(logits.shape[0], 1, logits.shape[2])], 1)
+
+
+def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: float,
+                   dynamic_group: int | None = None) -> tuple[torch.Tensor, float, float]:
+    """(loss with autograd into ``student``, KD, CE) of the global batch, densely.
+
+    ``kd``: keyword arguments of ``loss.reference.kd_loss_details`` (mode, temperature, reverse,
+    payload form). Each sample is its own teacher microbatch (as in the run, micro-batch size 1),
+    which matters for the microbatch-global top-k. ``dynamic_group``: dynamic scaling over groups
+    of that many consecutive samples (one microbatch over DP), else kd weight 1 and ``ce_weight``.
+    """
+    from megatron_xdistill.loss.reference import kd_loss_details
+
+    w, matrix = _sparse_projection(root / "proj.safetensors")
+    mode = kd.get("mode", "pkl")
+    if mode != "pkl":
+        kd = {**kd, "common": matrix.common_vocab("strict" if mode == "gold" else "xtoken")}
+    teacher = _hf(root / "teacher_hf")
+    with torch.no_grad():
+        t_logits = teacher(batch["teacher_tokens"][:, :-1]).logits.float()
+    s_logits = student(batch["tokens"][:, :-1]).logits.float()
+    labels = batch["tokens"][:, 1:].clone()
+    labels[batch["loss_mask"] <= 0] = -100
+    ce_per_sample = F.cross_entropy(s_logits.transpose(1, 2), labels, ignore_index=-100,
+                                    reduction="none").sum(1)
+    tokens_per_sample = (labels != -100).sum(1).double()
+    kd_sums, counts = [], []
+    for b in range(GBS):
+        one = slice(b, b + 1)
+        details = kd_loss_details(
+            _padded(s_logits[one]), _padded(t_logits[one]), batch["student_chunk_id"][one],
+            batch["teacher_chunk_id"][one], batch["chunk_valid"][one], batch["chunk_exact"][one],
+            w, **kd)
+        kd_sums.append(details.per_chunk.sum())
+        counts.append(details.counted.sum().double())
+    kd_sum, ce_sum = torch.stack(kd_sums), ce_per_sample
+    n_chunks, n_tokens = float(sum(counts)), float(tokens_per_sample.sum())
+    if dynamic_group is None:
+        loss = kd_sum.sum() / n_chunks + ce_weight * ce_sum.sum() / n_tokens
+    else:  # sg(CE / KD) per microbatch (its means over DP), global denominators
+        loss = ce_sum.sum() / n_tokens
+        for g in range(0, GBS, dynamic_group):
+            part = slice(g, g + dynamic_group)
+            kd_mean = kd_sum[part].sum() / sum(counts[part])
+            ce_mean = ce_sum[part].sum() / tokens_per_sample[part].sum()
+            loss = loss + (ce_mean / kd_mean).detach() * kd_sum[part].sum() / n_chunks
+    return loss, kd_sum.sum().item() / n_chunks, ce_sum.sum().item() / n_tokens
+
+
+@pytest.fixture(scope="module")
+def first_batch(e2e_setup):
+    return _first_global_batch(*e2e_setup)
+
+
+# The payload forms and loss modes: the run's flags and the reference's arguments.
+FORMS = {
+    "pkl_full": (["--kd-topk", "0"], {}),
+    "pkl_global_top16": (["--kd-topk-mode", "global"], {"vocab_topk": 16}),
+    "pkl_chunk_top16_reverse_t2": (["--kd-reverse", "--kd-temperature", "2"],
+                                   {"chunk_topk": 16, "reverse": True, "temperature": 2.0}),
+    "gold": (["--kd-loss", "gold"], {"mode": "gold"}),
+    "hkl_t2": (["--kd-loss", "hkl", "--kd-temperature", "2"], {"mode": "hkl", "temperature": 2.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, first_batch, name):
+    root, s_tok, t_tok = e2e_setup
+    flags, kd = FORMS[name]
+    with RankPool(1) as pool:
+        pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, f"ref_{name}", flags))
+    [(got_kd, got_ce)] = _losses(root, f"ref_{name}")
+    with torch.no_grad():
+        _, want_kd, want_ce = reference_step(root, first_batch, _hf(root / "student_hf"), kd,
+                                             ce_weight=0.5)
+    assert want_kd > 0.05  # a KL that is not ~0, so the relative tolerance means something
+    assert got_kd == pytest.approx(want_kd, rel=RTOL), name
+    assert got_ce == pytest.approx(want_ce, rel=RTOL), name
+
+
+PLAIN = ["--weight-decay", "0", "--clip-grad", "0", "--lr-decay-style", "constant",
+         "--save-interval", "1"]
+SGD = ["--optimizer", "sgd", "--sgd-momentum", "0", "--lr", str(LR)]
+ADAM_LR = 1e-3
+ADAM_EPS = 1e-4
+# Megatron-Core's distributed optimizer shards Adam only: its first step, lr * g / (|g| + eps),
+# is compared with torch's Adam on the reference gradients. An eps near the gradients' size keeps
+# the step sensitive to the gradient's scale and bounds the effect of a gradient error d by
+# lr * d / eps (with eps 1e-8, rounding noise in near-zero gradients would dominate).
+ADAM = ["--optimizer", "adam", "--lr", str(ADAM_LR), "--adam-eps", str(ADAM_EPS)]
+LAYOUTS = {  # (world, flags, dynamic-scaling group: micro-batch size x student DP)
+    "single_rank_sgd": (1, SGD, None),
+    "student_tp2_cp2_teacher_pp2_sgd": (4, [*SGD, "--tensor-model-parallel-size", "2",
+                                            "--context-parallel-size", "2",
+                                            "--teacher-pipeline-model-parallel-size", "2"], None),
+    "student_pp2_dp2_sgd_teacher_tp2_dynamic": (
+        4, [*SGD, "--pipeline-model-parallel-size", "2",
+            "--teacher-tensor-model-parallel-size", "2", "--kd-dynamic-scaling"], 2),
+    "student_dp2_tp2_distopt_adam": (
+        4, [*ADAM, "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"], None),
+}
+
+
+def _export(run_dir: Path, out: Path) -> None:
+    from conversion import convert_mcore_to_hf
+
+    convert_mcore_to_hf(str(run_dir), str(out), dtype="fp32")
+
+
+def _reference_update(student, adam: bool) -> dict[str, torch.Tensor]:
+    """What one optimizer step subtracts from each parameter, from the HF student's .grad."""
+    if not adam:
+        return {k: LR * p.grad for k, p in student.named_parameters()}
+    before = {k: p.detach().clone() for k, p in student.named_parameters()}
+    torch.optim.Adam(student.parameters(), lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.0).step()
+    return {k: before[k] - p.detach() for k, p in student.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_one_optimizer_step_equals_the_dense_reference_step(e2e_setup, first_batch, tmp_path,
+                                                            name):
+    root, s_tok, t_tok = e2e_setup
+    world, flags, dynamic_group = LAYOUTS[name]
+    adam = "adam" in flags
+    run_dir = tmp_path / "run"
+    with RankPool(world) as pool:
+        pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, f"step_{name}",
+                                           [*PLAIN, "--save", str(run_dir), *flags]))
+    with RankPool(1) as pool:
+        pool.run(_export, run_dir, tmp_path / "hf")
+    [(got_kd, got_ce)] = _losses(root, f"step_{name}")
+    record = json.loads((root / f"step_{name}.jsonl").read_text().splitlines()[-1])
+    assert record["lr"] == (ADAM_LR if adam else LR) and record["skipped"] == 0
+
+    student = _hf(root / "student_hf")
+    before = {k: v.detach().clone() for k, v in student.state_dict().items()}
+    loss, want_kd, want_ce = reference_step(root, first_batch, student, {"chunk_topk": 16},
+                                            ce_weight=0.5, dynamic_group=dynamic_group)
+    loss.backward()
+    assert got_kd == pytest.approx(want_kd, rel=RTOL) and got_ce == pytest.approx(want_ce, rel=RTOL)
+
+    after = _hf(tmp_path / "hf").state_dict()
+    want = _reference_update(student, adam)
+    assert set(want) <= set(after)
+    for key, update in want.items():
+        applied = before[key] - after[key]  # what the run subtracted
+        scale = update.abs().max().item()
+        assert scale > 0, key
+        err = (applied - update).abs().max().item()
+        rounding = 2 * torch.finfo(torch.float32).eps * before[key].abs().max().item()
+        assert err <= 1e-4 * scale + rounding, (
+            f"{name}: {key} step differs by {err:.3g} (max |step| {scale:.3g})")
