@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+from shared_assets import ASSETS, SKIP_REASON, have_shared_assets
 
 _GPU_SESSION = False
 
@@ -35,11 +36,27 @@ def pytest_configure(config) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def pytest_report_header(config) -> str:
+def pytest_report_header(config) -> list[str]:
     if _GPU_SESSION:
-        return f"xdistill: GPU session (CUDA available: {torch.cuda.is_available()})"
-    return ("xdistill: CPU session, CUDA hidden (CUDA_VISIBLE_DEVICES=''); the gpu-marked tests "
-            "run with `make test-gpu` (pytest -m gpu)")
+        lines = [f"xdistill: GPU session (CUDA available: {torch.cuda.is_available()})"]
+    else:
+        lines = ["xdistill: CPU session, CUDA hidden (CUDA_VISIBLE_DEVICES=''); the gpu-marked "
+                 "tests run with `make test-gpu` (pytest -m gpu)"]
+    if have_shared_assets():
+        lines.append(f"xdistill: shared assets at {ASSETS}")
+    else:
+        lines.append(f"xdistill: {SKIP_REASON}: every test that needs them is SKIPPED "
+                     "(count in the summary)")
+    return lines
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Say how many tests the missing shared assets skipped: never a silent pass on fewer."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    count = sum(1 for report in skipped if "shared assets not found" in str(report.longrepr))
+    if count:
+        terminalreporter.write_line(f"xdistill: {count} tests SKIPPED: {SKIP_REASON}",
+                                    yellow=True, bold=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
@@ -58,6 +75,8 @@ def e2e_setup(tmp_path_factory):
     """``(root, student tokenizer, teacher tokenizer)`` of test_e2e.make_setup."""
     from test_e2e import make_setup
 
+    if not have_shared_assets():
+        pytest.skip(SKIP_REASON)
     return make_setup(tmp_path_factory.mktemp("e2e"))
 
 

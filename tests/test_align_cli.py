@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
+from shared_assets import ASSETS, needs_shared_assets
 
 from megatron_xdistill.align.chunks import check_partition
 from megatron_xdistill.align.cli import main
 
-ASSETS = Path(
-    os.environ.get("XDISTILL_SHARED_ASSETS")
-    or Path(__file__).resolve().parents[2] / "shared" / "assets"
-)
-pytestmark = pytest.mark.skipif(
-    not (ASSETS / "tokenizers").is_dir(),
-    reason=f"shared assets not found at {ASSETS} (set XDISTILL_SHARED_ASSETS)",
-)
+pytestmark = needs_shared_assets
 STUDENT = str(ASSETS / "tokenizers" / "smollm2")
 TEACHER = str(ASSETS / "tokenizers" / "mistral")
 PAIR = ["--student-tokenizer", STUDENT, "--teacher-tokenizer", TEACHER]

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import time
 import unicodedata
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from shared_assets import ASSETS, needs_shared_assets
 
 from megatron_xdistill.align import (
     TokenAligner,
@@ -25,18 +24,11 @@ from megatron_xdistill.align import (
 from megatron_xdistill.align.chunks import check_partition
 from megatron_xdistill.align.coverage import CoverageStats
 
-ASSETS = Path(
-    os.environ.get("XDISTILL_SHARED_ASSETS")
-    or Path(__file__).resolve().parents[2] / "shared" / "assets"
-)
 NAMES = ["smollm2", "qwen2", "gemma3", "llama3", "gpt2", "mistral"]
 PAIRS = list(itertools.combinations(NAMES, 2))
 CORPORA = ["enwiki_train", "enwiki_val", "shakespeare"]
 
-pytestmark = pytest.mark.skipif(
-    not (ASSETS / "tokenizers").is_dir(),
-    reason=f"shared assets not found at {ASSETS} (set XDISTILL_SHARED_ASSETS)",
-)
+pytestmark = needs_shared_assets
 
 TRICKY = [
     "Hello world",

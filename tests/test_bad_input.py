@@ -7,12 +7,10 @@ import os
 
 import pytest
 import torch
+from shared_assets import TOKENIZERS, needs_shared_assets
 
 from megatron_xdistill.data.packing import load_documents
 from megatron_xdistill.data.sources import DataSource, read_documents
-
-TOKENIZERS = os.path.join(os.environ.get("XDISTILL_SHARED_ASSETS", os.path.join(
-    os.path.dirname(__file__), "..", "..", "shared", "assets")), "tokenizers")
 
 
 # ---------------------------------------------------------------------------- data
@@ -121,7 +119,7 @@ def test_partial_checkpoint_is_named(converted, tmp_path):
         pool.run(verify_conversion, str(converted / "hf"), str(ckpt), 1, 1, 1, 8, 0, False)
 
 
-@pytest.mark.skipif(not os.path.isdir(TOKENIZERS), reason="shared tokenizers not found")
+@needs_shared_assets
 def test_checkpoint_and_tokenizer_of_different_vocabularies_are_refused(converted):
     from megatron_xdistill.align import load_tokenizer
     from megatron_xdistill.models import CheckpointError, check_tokenizer_fits, load_model_info

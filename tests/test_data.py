@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_assets import ASSETS
+from shared_assets import needs_shared_assets as needs_assets
 
 from megatron_xdistill.data.dataset import DistillationDataset, PretrainingSampler, collate_samples
 from megatron_xdistill.data.packing import (
@@ -18,11 +19,6 @@ from megatron_xdistill.data.packing import (
     save_plan,
 )
 from megatron_xdistill.data.sources import DataSource, parse_data_path, read_documents
-
-ASSETS = Path(os.environ.get("XDISTILL_SHARED_ASSETS",
-                             Path(__file__).resolve().parents[2] / "shared" / "assets"))
-needs_assets = pytest.mark.skipif(not (ASSETS / "tokenizers").is_dir(),
-                                  reason=f"shared assets not found at {ASSETS}")
 
 
 def _docs_jsonl(tmp_path: Path, texts: list[str], name: str = "docs.jsonl") -> str:

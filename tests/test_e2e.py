@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 from pathlib import Path
 
 import pytest
+from shared_assets import ASSETS, needs_shared_assets
 
 from megatron_xdistill.testing.multirank import RankPool
 
-ASSETS = Path(os.environ.get("XDISTILL_SHARED_ASSETS",
-                             Path(__file__).resolve().parents[2] / "shared" / "assets"))
-pytestmark = pytest.mark.skipif(not (ASSETS / "tokenizers").is_dir(),
-                                reason=f"shared assets not found at {ASSETS}")
+pytestmark = needs_shared_assets
 WORLD = 4
 STEPS = 3
 RTOL = 1e-5

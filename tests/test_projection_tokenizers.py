@@ -7,12 +7,11 @@ shared per module (about 15 s for all six on 2 cores, plus tokenizer loading).
 from __future__ import annotations
 
 import itertools
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from shared_assets import TOKENIZERS, needs_shared_assets
 
 from megatron_xdistill.projection import (
     BuildOptions,
@@ -25,12 +24,6 @@ from megatron_xdistill.projection import (
 from megatron_xdistill.projection.cli import main
 from megatron_xdistill.projection.nemo_rl import write_nemo_rl
 
-ASSETS = Path(
-    os.environ.get(
-        "XDISTILL_SHARED_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"
-    )
-)
-TOKENIZERS = ASSETS / "tokenizers"
 NAMES = ("qwen2", "smollm2", "gemma3", "llama3", "mistral", "gpt2")
 PAIRS = [
     ("qwen2", "smollm2"),
@@ -41,10 +34,7 @@ PAIRS = [
     ("gpt2", "mistral"),
 ]
 
-pytestmark = pytest.mark.skipif(
-    not all((TOKENIZERS / n / "tokenizer.json").is_file() for n in NAMES),
-    reason=f"shared tokenizers not found under {TOKENIZERS} (set XDISTILL_SHARED_ASSETS)",
-)
+pytestmark = needs_shared_assets
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import numpy as np
 import pytest
+from shared_assets import ASSETS, needs_shared_assets
 
 from megatron_xdistill.data.lengths import teacher_length_from_data, window_ratios
 
-ASSETS = Path(os.environ.get("XDISTILL_SHARED_ASSETS",
-                             Path(__file__).resolve().parents[2] / "shared" / "assets"))
-pytestmark = pytest.mark.skipif(not (ASSETS / "tokenizers").is_dir(),
-                                reason=f"shared assets not found at {ASSETS}")
+pytestmark = needs_shared_assets
 
 
 def _aligner(student: str, teacher: str):

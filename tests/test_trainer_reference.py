@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_e2e import ASSETS, _argv, _losses, _run_main
+from shared_assets import needs_shared_assets
+from test_e2e import _argv, _losses, _run_main
 
 from megatron_xdistill.testing.multirank import RankPool
 
-pytestmark = pytest.mark.skipif(not (ASSETS / "tokenizers").is_dir(),
-                                reason=f"shared assets not found at {ASSETS}")
+pytestmark = needs_shared_assets
 SEQ, TEACHER_SEQ, GBS, SEED = 32, 40, 4, 1234
 RTOL = 1e-5  # fp32 on CPU: Megatron's kernels against HF's
 LR = 100.0   # SGD: the parameter change is the gradient itself (large against fp32 rounding)
