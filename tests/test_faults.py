@@ -1,0 +1,150 @@
+"""Faults with real processes: a rank SIGKILLed under torchrun, mid-run and mid-save.
+
+``pretrain_xdistill.py`` runs under ``torchrun`` (the user's launcher) on CPU ranks. A student rank
+(colocated) or the teacher rank (disaggregated) is killed with SIGKILL while a checkpoint is being
+written (or just after one was): the job must exit non-zero within a bounded time with a report
+that names the dead rank, leave no shared-memory segment behind, and the rerun of the same command
+must resume from the last complete checkpoint and reproduce the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from shared_assets import needs_shared_assets
+from test_e2e import _argv
+
+pytestmark = needs_shared_assets
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+EXIT_BOUND_S = 180  # the job is gone this long after the kill (torchrun's monitor + teardown)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(root: Path, s_tok, t_tok, name: str, nproc: int, extra: list[str]) -> list[str]:
+    argv = _argv(root, s_tok, t_tok, name, ["--save", str(root / name), "--save-interval", "1",
+                                            "--lr-decay-style", "constant", *extra])
+    argv[argv.index("--train-iters") + 1] = str(STEPS)
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+            str(REPO / "pretrain_xdistill.py"), *argv]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def _losses_by_step(root: Path, name: str) -> dict[int, tuple[float, float]]:
+    """The last (kd, ce) logged for each step (a resumed run logs again the steps after its
+    checkpoint)."""
+    out = {}
+    for line in (root / f"{name}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "kd" in record:
+            out[record["iteration"]] = (record["kd"], record["ce"])
+    return out
+
+
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of torchrun's worker with ``RANK=rank`` (a child of the launcher)."""
+    for status in glob.glob("/proc/[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in Path(status).read_text().splitlines()
+                          if ":\t" in line)
+            if int(fields["PPid"]) != launcher:
+                continue
+            pid = int(Path(status).parent.name)
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, KeyError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in env:
+            return pid
+    return None
+
+
+def _kill_during_a_save(cmd: list[str], save: Path, rank: int) -> tuple[int, str, bool]:
+    """Start the job, SIGKILL ``rank`` while the checkpoint after iteration 2 is being written
+    (or as soon as it is complete, if the save was too quick to see); returns the job's exit code,
+    its output and whether the kill landed during a save."""
+    job = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    tracker = save / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 600
+    during_save = False
+    while time.monotonic() < deadline and job.poll() is None:
+        saved = int(tracker.read_text()) if tracker.is_file() else 0
+        if saved >= 2:
+            during_save = any(save.glob("iter_*.tmp"))
+            if during_save or saved >= 3:
+                break
+        time.sleep(0.005)
+    assert job.poll() is None, "the run ended before it could be killed:\n" + job.stdout.read()
+    pid = _rank_pid(job.pid, rank)
+    assert pid is not None, f"no worker with RANK={rank} under torchrun {job.pid}"
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    try:
+        output, _ = job.communicate(timeout=EXIT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        pytest.fail(f"the job was still running {EXIT_BOUND_S} s after rank {rank} was killed")
+    assert time.monotonic() - killed_at < EXIT_BOUND_S
+    return job.returncode, output, during_save
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(e2e_setup):
+    root, s_tok, t_tok = e2e_setup
+    _run(_command(root, s_tok, t_tok, "fault_reference", 2, []))
+    losses = _losses_by_step(root, "fault_reference")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+PLACEMENTS = {  # killed rank, world, flags
+    "colocated_student_rank": (1, 2, []),
+    "disaggregated_teacher_rank": (2, 3, ["--teacher-placement", "disaggregated",
+                                          "--teacher-ranks", "1"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_a_killed_rank_ends_the_job_and_the_rerun_resumes_exactly(e2e_setup, uninterrupted, name):
+    root, s_tok, t_tok = e2e_setup
+    rank, world, flags = PLACEMENTS[name]
+    shm_before = set(glob.glob("/dev/shm/xdistill_*"))
+    cmd = _command(root, s_tok, t_tok, name, world, flags)
+    code, output, _ = _kill_during_a_save(cmd, root / name, rank)
+    assert code != 0, output[-3000:]
+    assert f"rank: {rank}" in output and "SIGKILL" in output, output[-3000:]
+    assert set(glob.glob("/dev/shm/xdistill_*")) <= shm_before, "shared memory left behind"
+    # The interrupted save left no checkpoint that a run would take for complete.
+    tracker = int((root / name / "latest_checkpointed_iteration.txt").read_text())
+    assert (root / name / f"iter_{tracker:07d}").is_dir()
+
+    _run(cmd)  # the same command again: resumes from the last complete checkpoint
+    got = _losses_by_step(root, name)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, (kd, ce) in uninterrupted.items():
+        assert got[step][0] == pytest.approx(kd, rel=1e-5), f"{name} step {step} kd"
+        assert got[step][1] == pytest.approx(ce, rel=1e-5), f"{name} step {step} ce"
+    assert not list((root / name).glob("iter_*.tmp")), "a leftover partial save"
