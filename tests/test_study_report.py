@@ -34,10 +34,13 @@ def test_a_consistent_gain_beyond_the_spread_is_real():
     assert pkl["variant"] == "pkl" and pkl["seeds"] == 3
     assert pkl["diff"] == pytest.approx(-0.10) and pkl["diff_std"] == pytest.approx(0.0, abs=1e-12)
     assert pkl["spread"] == pytest.approx(0.01) and pkl["real"]
+    assert pkl["seeds_better"] == 3
     assert study._verdict(pkl) == "better than CE-only"
     # closes 0.10 of the 1.01 bits/byte between CE-only and the teacher
     assert pkl["gap_closed"] == pytest.approx(0.10 / 1.01)
     assert gold["diff"] == pytest.approx(-0.0033333, abs=1e-6) and not gold["real"]
+    # paired: differences -0.01, +0.01, -0.01 -> better on 2 of 3, t = mean / (std / sqrt(3))
+    assert gold["seeds_better"] == 2 and gold["paired_t"] == pytest.approx(-0.5, abs=1e-3)
     assert study._verdict(gold) == "within seed noise"
 
 
