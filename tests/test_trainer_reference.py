@@ -130,22 +130,30 @@ def first_batch(e2e_setup):
     return _first_global_batch(*e2e_setup)
 
 
-# The payload forms and loss modes: the run's flags and the reference's arguments.
+# The payload forms and loss modes: ranks, the run's flags and the reference's arguments. gold
+# and H-KL run in parallel layouts (student TP2 x CP2, teacher TP2 / PP2 x CP2): the reference
+# checks their layouts too.
+TP2_CP2 = ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
 FORMS = {
-    "pkl_full": (["--kd-topk", "0"], {}),
-    "pkl_global_top16": (["--kd-topk-mode", "global"], {"vocab_topk": 16}),
-    "pkl_chunk_top16_reverse_t2": (["--kd-reverse", "--kd-temperature", "2"],
+    "pkl_full": (1, ["--kd-topk", "0"], {}),
+    "pkl_global_top16": (1, ["--kd-topk-mode", "global"], {"vocab_topk": 16}),
+    "pkl_chunk_top16_reverse_t2": (1, ["--kd-reverse", "--kd-temperature", "2"],
                                    {"chunk_topk": 16, "reverse": True, "temperature": 2.0}),
-    "gold": (["--kd-loss", "gold"], {"mode": "gold"}),
-    "hkl_t2": (["--kd-loss", "hkl", "--kd-temperature", "2"], {"mode": "hkl", "temperature": 2.0}),
+    "gold_student_tp2_cp2_teacher_tp2": (
+        4, ["--kd-loss", "gold", *TP2_CP2, "--teacher-tensor-model-parallel-size", "2"],
+        {"mode": "gold"}),
+    "hkl_t2_student_tp2_cp2_teacher_pp2_cp2": (
+        4, ["--kd-loss", "hkl", "--kd-temperature", "2", *TP2_CP2,
+            "--teacher-pipeline-model-parallel-size", "2", "--teacher-context-parallel-size", "2"],
+        {"mode": "hkl", "temperature": 2.0}),
 }
 
 
 @pytest.mark.parametrize("name", list(FORMS))
 def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, first_batch, name):
     root, s_tok, t_tok = e2e_setup
-    flags, kd = FORMS[name]
-    with RankPool(1) as pool:
+    world, flags, kd = FORMS[name]
+    with RankPool(world) as pool:
         pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, f"ref_{name}", flags))
     [(got_kd, got_ce)] = _losses(root, f"ref_{name}")
     with torch.no_grad():
@@ -154,6 +162,21 @@ def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, fir
     assert want_kd > 0.05  # a KL that is not ~0, so the relative tolerance means something
     assert got_kd == pytest.approx(want_kd, rel=RTOL), name
     assert got_ce == pytest.approx(want_ce, rel=RTOL), name
+
+
+def test_bf16_run_trains_near_the_fp32_reference(e2e_setup, first_batch):
+    """--bf16 (weights and activations in bf16, softmax/KL in fp32): the first step's losses
+    are the fp32 reference's within bf16 resolution, and the step moves the parameters."""
+    root, s_tok, t_tok = e2e_setup
+    with RankPool(2) as pool:
+        pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, "ref_bf16",
+                                           ["--bf16", "--tensor-model-parallel-size", "2"]))
+    [(got_kd, got_ce)] = _losses(root, "ref_bf16")
+    with torch.no_grad():
+        _, want_kd, want_ce = reference_step(root, first_batch, _hf(root / "student_hf"),
+                                             {"chunk_topk": 16}, ce_weight=0.5)
+    assert got_kd == pytest.approx(want_kd, rel=3e-2) and got_ce == pytest.approx(want_ce, rel=1e-2)
+    assert got_kd != pytest.approx(want_kd, rel=1e-6)  # it did run in bf16
 
 
 PLAIN = ["--weight-decay", "0", "--clip-grad", "0", "--lr-decay-style", "constant",
