@@ -86,9 +86,10 @@ NODES = {"one_node": [0, 0, 0, 0], "two_nodes": [0, 0, 1, 1], "mixed": [0, 1, 0,
 
 
 def stream_steps(student_sleep: float, steps: int, timeout_s: float, nodes: list[int],
-                 device: str = "cpu") -> dict:
+                 device: str = "cpu", watched: bool = False) -> dict:
     """Teachers send ``steps`` steps at once; students start after ``student_sleep`` seconds.
-    ``device="cuda"``: every rank on GPU 0, the slots in CUDA IPC buffers (tests/test_gpu.py)."""
+    ``device="cuda"``: every rank on GPU 0, the slots in CUDA IPC buffers (tests/test_gpu.py).
+    ``watched``: the waits last while the peers' heartbeats go on (liveness.PeerWatch)."""
     import torch
     import torch.distributed as dist
 
@@ -101,7 +102,13 @@ def stream_steps(student_sleep: float, steps: int, timeout_s: float, nodes: list
     if device == "cuda":
         torch.cuda.set_device(0)
         device = "cuda:0"
-    stream = RoutedStream(routes, numel=3, nodes=nodes, timeout_s=timeout_s, device=device)
+    watch = None
+    if watched:
+        from megatron_xdistill.transport.liveness import PeerWatch, default_store
+
+        watch = PeerWatch(default_store(), dist.get_rank(), dead_after_s=5.0, interval_s=0.2)
+    stream = RoutedStream(routes, numel=3, nodes=nodes, timeout_s=timeout_s, device=device,
+                          watch=watch)
     rank = dist.get_rank()
     start = time.perf_counter()
     out: dict = {"returned": [], "payloads": [], "stats": [], "intact": [], "zero_copy": [],
@@ -134,6 +141,8 @@ def stream_steps(student_sleep: float, steps: int, timeout_s: float, nodes: list
             out["stats"].append(sorted(stats[:, 0].tolist()))
     stream.finish()
     stream.close()
+    if watch is not None:
+        watch.close()
     return out
 
 
@@ -166,6 +175,15 @@ def test_stream_sends_without_waiting_and_double_buffers(e2e_pool, nodes):
     within, across = {"one_node": (4, 0), "two_nodes": (0, 4), "mixed": (2, 2)}[nodes]
     assert f"{within} within a node (shared memory), {across} across nodes (gloo)" in \
         results[0]["summary"]
+
+
+@pytest.mark.parametrize("nodes", ["one_node", "two_nodes"])
+def test_a_slow_student_is_waited_for_not_timed_out(e2e_pool, nodes):
+    """With the peer watch, a student step 3x longer than the stream's timeout (and than what a
+    timed wait would allow) is waited for: the teacher's slot waits last while students live."""
+    sleep, steps = 3.0, 4
+    results = e2e_pool.run(stream_steps, sleep, steps, 1.0, NODES[nodes], "cpu", True)
+    check_stream_steps(results, sleep, steps, nodes)
 
 
 @pytest.mark.parametrize("nodes", ["one_node", "two_nodes"])

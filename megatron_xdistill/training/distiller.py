@@ -62,6 +62,7 @@ from megatron_xdistill.transport.hybrid import (  # noqa: E402
     check_one_rank_per_gpu,
     gpu_of_ranks,
 )
+from megatron_xdistill.transport.liveness import PeerWatch, default_store  # noqa: E402
 from megatron_xdistill.transport.routing import (  # noqa: E402
     routing_plan,
     student_replica_of,
@@ -256,10 +257,17 @@ class Distiller:
                                    self.student_layout, self.teacher_layout,
                                    placement.student_offset, placement.teacher_offset)
         self.transport = self.stream = None
+        self.watch = None
         if placement.disaggregated:
-            self.stream = RoutedStream(
-                self.routes, numel=self.kd.payload_numel,
-                timeout_s=60.0 * args.distributed_timeout_minutes, device=self.device)
+            # Teacher and students wait on each other for as long as the other's step takes;
+            # a peer is dead after --distributed-timeout-minutes (at most a minute) without a
+            # heartbeat, not after a step that outlasts that limit.
+            timeout_s = 60.0 * args.distributed_timeout_minutes
+            self.watch = PeerWatch(default_store(), self.rank,
+                                   dead_after_s=max(5.0, min(timeout_s, 60.0)),
+                                   report_every_s=timeout_s)
+            self.stream = RoutedStream(self.routes, numel=self.kd.payload_numel,
+                                       timeout_s=timeout_s, device=self.device, watch=self.watch)
         elif not (self.ce_only or self.reads_cache or teacher_only):  # nothing to route
             self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
                                              device=self.device)
@@ -619,6 +627,9 @@ class Distiller:
         for transport in (self.transport, self.stream):
             if transport is not None:
                 transport.close()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
 
 
 def is_training_checkpoint(path: str) -> bool:

@@ -14,6 +14,7 @@ students (disaggregated placement).
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Sequence
@@ -87,7 +88,8 @@ class _Split:
     every rank of the world builds it, in the same order)."""
 
     def __init__(self, routes: Sequence[Route], nodes: Sequence[int] | None,
-                 use_shared_memory: bool, device: torch.device) -> None:
+                 use_shared_memory: bool, device: torch.device,
+                 group_timeout: datetime.timedelta | None = None) -> None:
         rank = dist.get_rank()
         self.device = device
         gpu = device.type == "cuda"
@@ -108,7 +110,7 @@ class _Split:
             node_routes = [r for r in same_node if self.nodes[r.src] == node]
             if not node_routes:
                 continue
-            group = dist.new_group(members, backend="gloo")
+            group = dist.new_group(members, backend="gloo", timeout=group_timeout)
             if node == mine:
                 self.node_routes, self.node_group = node_routes, group
         # The cross-node group: exactly the ranks with cross-node routes (NCCL on GPUs).
@@ -117,7 +119,8 @@ class _Split:
         if self.p2p_members:
             if gpu:
                 check_one_rank_per_gpu(self.p2p_members, gpu_of_ranks(device, control))
-            self.p2p_group = dist.new_group(self.p2p_members, backend=self.p2p_backend)
+            self.p2p_group = dist.new_group(self.p2p_members, backend=self.p2p_backend,
+                                            timeout=group_timeout)
 
     def describe(self) -> str:
         """One line for the log: how many routes take which path (the same on every rank)."""
@@ -176,6 +179,9 @@ class RoutedTransport:
             self.shm.close()
 
 
+UNTIMED_GROUP_TIMEOUT = datetime.timedelta(days=7)
+
+
 class RoutedStream:
     """Disaggregated teacher -> student payloads along a routing plan, split by locality: routes
     within a node through slot memory (:class:`~.slot_stream.SlotStream`: shared memory on CPU,
@@ -190,22 +196,26 @@ class RoutedStream:
     def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype = torch.float32,
                  nodes: Sequence[int] | None = None, use_shared_memory: bool = True,
                  device: torch.device | str = "cpu", timeout_s: float = 600.0,
-                 num_stats: int = 1) -> None:
+                 num_stats: int = 1, watch=None) -> None:
         local = [r for r in routes if r.src == r.dst]
         if local:
             raise ValueError(f"RoutedStream moves payloads between different ranks; "
                              f"{len(local)} route(s) stay on one rank (e.g. {local[0]})")
         self.rank = dist.get_rank()
         self.device = torch.device(device)
-        split = _Split(routes, nodes, use_shared_memory, self.device)
+        # With a PeerWatch the waits are untimed (a slow peer is waited for, a dead one is
+        # detected by its heartbeat): the groups' own timeout must not end them first.
+        group_timeout = UNTIMED_GROUP_TIMEOUT if watch is not None else None
+        split = _Split(routes, nodes, use_shared_memory, self.device, group_timeout)
         self.slots: SlotStream | None = None
         if split.node_routes:
             self.slots = SlotStream(split.node_routes, numel, dtype, slot_memory(self.device),
-                                    split.node_group, timeout_s=timeout_s, num_stats=num_stats)
+                                    split.node_group, timeout_s=timeout_s, num_stats=num_stats,
+                                    watch=watch)
         mine = self.rank in split.p2p_members
         self.p2p = P2PStream(split.remote if mine else [], numel, dtype,
                              group=split.p2p_group, timeout_s=timeout_s, num_stats=num_stats,
-                             device=self.device)
+                             device=self.device, watch=watch)
         self.summary = split.describe()
 
     @property

@@ -13,7 +13,9 @@ the control group (gloo point-to-point), so the teacher never waits for a barrie
 
 Before it rewrites a slot (step ``k + 2``) a sender waits for ``free(k)`` from every receiver of
 that slot: at most two steps are in flight, as with :class:`~.stream.P2PStream`. Every wait has
-a timeout whose error names the rank, the step and the peers.
+a timeout whose error names the rank, the step and the peers; with a
+:class:`~.liveness.PeerWatch` the waits last while the peers are alive (a slow student is not a
+dead one) and a dead peer ends the process with an error naming it.
 """
 
 from __future__ import annotations
@@ -41,11 +43,13 @@ class SlotStream:
 
     def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype,
                  memory: SlotMemory, group: dist.ProcessGroup | None = None,
-                 timeout_s: float = 600.0, num_stats: int = 1) -> None:
+                 timeout_s: float = 600.0, num_stats: int = 1, watch=None) -> None:
         self.buffers = SlotBuffers(routes, numel, dtype, memory, group)
+        self.watch = watch  # a liveness.PeerWatch: untimed waits while the peers are alive
         self.rank, self.group, self.memory = dist.get_rank(), group, memory
         self.timeout_s, self.num_stats = timeout_s, num_stats
         self.receivers, self.senders = self.buffers.receivers, self.buffers.senders
+        self.peers = sorted(set(self.receivers) | set(self.senders))
         self.seconds = 0.0
 
         def tokens(peers: list[int], size: int) -> list[dict[int, torch.Tensor]]:
@@ -151,7 +155,7 @@ class SlotStream:
                     f"resume from another checkpoint or skip a step?)")
 
     def _wait(self, works: list, step: int, what: str) -> None:
-        wait_works(works, self.timeout_s, self.rank, step, what)
+        wait_works(works, self.timeout_s, self.rank, step, what, self.watch, self.peers)
 
     def finish(self) -> None:
         """Release every slot still held and wait for every posted signal (call on every rank of

@@ -47,7 +47,7 @@ class P2PStream:
 
     def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype = torch.float32,
                  group: dist.ProcessGroup | None = None, timeout_s: float = 600.0,
-                 num_stats: int = 1, device: torch.device | str = "cpu") -> None:
+                 num_stats: int = 1, device: torch.device | str = "cpu", watch=None) -> None:
         local = [r for r in routes if r.src == r.dst]
         if local:
             raise ValueError(f"P2PStream moves payloads between different ranks; "
@@ -55,6 +55,7 @@ class P2PStream:
         self.rank = dist.get_rank()
         self.numel, self.dtype, self.group = numel, dtype, group
         self.timeout_s, self.num_stats = timeout_s, num_stats
+        self.watch = watch  # a liveness.PeerWatch: untimed waits while the peers are alive
         self.send_to: dict[int, list[int]] = {}  # dst -> samples, in plan order
         self.recv_from: dict[int, list[int]] = {}  # src -> samples, in plan order
         for route in routes:
@@ -141,7 +142,8 @@ class P2PStream:
 
     # ---------------------------------------------------------------- both
     def _wait(self, works: list, step: int, what: str) -> None:
-        wait_works(works, self.timeout_s, self.rank, step, what)
+        wait_works(works, self.timeout_s, self.rank, step, what, self.watch,
+                   sorted(set(self.send_to) | set(self.recv_from)))
 
     def finish(self) -> None:
         """Wait for every posted send and receive (call before shutdown or a checkpoint that
