@@ -148,9 +148,15 @@ else:
         payload = TeacherPayload(PayloadSpec("chunk_topk", c, k), logp, has,
                                  columns=torch.randint(0, vt, (1, c, k), generator=gen),
                                  tail_logprob=torch.full((1, c), -2.0))
-    elif form == "full":
-        payload = TeacherPayload(PayloadSpec("full", c, vt),
-                                 torch.log_softmax(torch.randn(1, c, vt, generator=gen), -1), has)
+    elif form == "full":  # [c, V_t] log-probs written block by block (no full-size transient,
+        spec = PayloadSpec("full", c, vt)  # which the peak RSS would count as the loss's memory)
+        flat = torch.empty(1, spec.numel)
+        rows = flat[0, : c * vt].view(c, vt)
+        for lo in range(0, c, 256):
+            rows[lo: lo + 256] = torch.log_softmax(
+                torch.randn(min(256, c - lo), vt, generator=gen), -1)
+        flat[0, c * vt:] = 1.0  # has_teacher
+        payload = TeacherPayload.from_flat(flat, spec)
     else:  # gold: half of the student vocabulary is common
         m = vs // 2
         common = torch.randperm(vs, generator=gen)[:m].sort().values
@@ -159,7 +165,8 @@ else:
             PayloadSpec("gold", c, m, unc), torch.log_softmax(torch.randn(1, c, m), -1), has,
             uncommon_probs=torch.rand(1, c, unc).sort(-1, descending=True).values * 1e-3)
     mode = "gold" if form == "gold" else "pkl"
-    payload = TeacherPayload.from_flat(payload.to_flat().to(dev), payload.spec)
+    if form != "full" or gpu:
+        payload = TeacherPayload.from_flat(payload.to_flat().to(dev), payload.spec)
     ids, has = ids.to(dev), has.to(dev)
     common = None if common is None else common.to(dev)
     shard = shard.to(dev)

@@ -8,20 +8,24 @@ contribution, transposed).
 
 ``ColumnsKernel``  P-KL on teacher columns per row (microbatch top-k, or per-chunk top-k + tail):
                    raw = projected mass on the row's columns [+ total projected mass].
-``DenseKernel``    P-KL on all teacher columns: raw = summed student probabilities [r, V_local].
+``DenseKernel``    P-KL on all teacher columns: raw = projected mass on the image of W [r, |I|].
 ``GoldKernel``     gold / H-KL: raw = summed logits / T [r, V_local] and summed log-partitions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
+from .common import EPS, TINY
 from .formulas import gold_kl, projected_kl
+from .image_projection import ImageProjection
 from .payload import TeacherPayload
 from .shard import ProjectionShard
+from .sorted_top import sorted_top
 from .workspace import scratch
 
 Raw = dict[str, torch.Tensor]
@@ -167,8 +171,8 @@ class ColumnsKernel:
                 0, blk.seg_dummy(), blk.extra)[:-1]
         return out
 
-    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = replicated_sum(raw["q"], self.tp_group)
         log_p = _rows_of(self.payload.logprobs, keys)
         if self.tail:
@@ -177,7 +181,7 @@ class ColumnsKernel:
             kl = projected_kl(log_p, q, total, self.reverse, tail)
         else:
             kl = projected_kl(log_p, q, None, self.reverse)
-        return kl, q.argmax(-1) == log_p.argmax(-1)
+        return kl, (q.argmax(-1) == log_p.argmax(-1)) if top1 else None
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
@@ -201,36 +205,74 @@ class ColumnsKernel:
 
 
 class DenseKernel:
-    """P-KL on all teacher columns (``full`` form)."""
+    """P-KL on all teacher columns (``full`` form), projected onto W's image I only.
+
+    raw = each row's projected student mass on I [r, |I|] (:class:`ImageProjection`). Columns
+    outside I have q = 0, so their part of the KL is the teacher's alone: forward KL =
+    sum_t P_t log P_t - log(EPS) * (mass of P outside I) - sum_{t in I} P_t log(q_t + EPS),
+    whose first two terms are taken once per row from the payload (``_teacher_terms``); the
+    reverse KL has no term outside I. Equal to ``formulas.projected_kl`` over all of V_t.
+    """
 
     per_block = True
+    #: rows of [rows, V_t] teacher log-probs read at a time for the per-row teacher terms
+    TEACHER_ROWS = 32
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
-                 reverse: bool, tp_group: Group) -> None:
-        self.payload, self.shard, self.num_real = payload, shard, num_real
+                 reverse: bool, tp_group: Group, keys: torch.Tensor) -> None:
+        self.payload, self.num_real = payload, num_real
         self.reverse, self.tp_group = reverse, tp_group
+        self.proj = ImageProjection.of(shard, num_real, tp_group)
+        self.logprobs = payload.logprobs.reshape(-1, payload.spec.width)
+        self.const, self.argmax = self._teacher_terms(keys)
+
+    def _teacher_terms(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per payload row (filled for ``keys``): the KL's teacher-only terms and the teacher's
+        argmax over all of V_t. A few passes over each row, into reused buffers."""
+        n, width = self.logprobs.shape
+        dev = self.logprobs.device
+        const = torch.zeros(n, dtype=torch.float64, device=dev)
+        argmax = torch.zeros(n, dtype=torch.int64, device=dev)
+        keys = torch.unique(keys.to(dev))
+        step = self.TEACHER_ROWS
+        for lo in range(0, keys.numel(), step):
+            part = keys[lo: lo + step]
+            m = part.numel()
+            lp = scratch("teacher_lp", m * width, dev, self.logprobs.dtype).view(m, width)
+            torch.index_select(self.logprobs, 0, part, out=lp)
+            argmax[part] = lp.argmax(-1)
+            if self.reverse:
+                continue
+            p = scratch("teacher_p", m * width, dev, self.logprobs.dtype).view(m, width)
+            torch.exp(lp, out=p)
+            plogp = torch.bmm(p[:, None, :], lp[:, :, None])[:, 0, 0]
+            outside = p.sum(-1) - p.index_select(1, self.proj.image).sum(-1)
+            const[part] = plogp.double() - math.log(EPS) * outside.double()
+        return const, argmax
 
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
-        return {"p": like.new_zeros(n, self.num_real)}
+        return {"q": like.new_zeros(n, self.proj.size)}
 
     def raw(self, blk: BlockData) -> Raw:
-        p = blk.probs_local * blk.factor[:, None]
-        sums = p.new_zeros(blk.num_rows + 1, p.shape[1]).index_add_(0, blk.seg_dummy(), p)
-        return {"p": sums[:-1]}
+        return {"q": self.proj.project(blk.probs_local, blk.factor, blk.seg, blk.num_rows)}
 
-    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-        q = replicated_sum(self.shard.project(raw["p"]), self.tp_group)
-        log_p = _rows_of(self.payload.logprobs, keys)
-        return projected_kl(log_p, q, None, self.reverse), q.argmax(-1) == log_p.argmax(-1)
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        u = replicated_sum(raw["q"], self.tp_group)
+        q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
+        log_q = torch.log(q + EPS)
+        log_p = self.logprobs.index_select(0, keys).index_select(1, self.proj.image).to(q.dtype)
+        if self.reverse:
+            kl = (q * (log_q - log_p)).sum(-1)
+        else:
+            kl = self.const.index_select(0, keys).to(q.dtype) - (log_p.exp() * log_q).sum(-1)
+        if not top1:
+            return kl, None
+        return kl, self.proj.image[u.argmax(-1)] == self.argmax.index_select(0, keys)
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
-        h = _with_zero_row(grad["p"])[blk.seg_dummy()]  # dKL/dp per position
-        dot = torch.bmm(out[:, None, :], h[:, :, None])[:, 0, 0] * blk.factor
-        all_reduce(dot, self.tp_group)
-        h.sub_((dot - coef / inv_t)[:, None]).mul_((blk.factor * inv_t)[:, None])
-        out.mul_(h)
+        self.proj.backward_into(out, blk.factor, blk.seg, grad["q"], inv_t, coef, self.tp_group)
 
 
 class GoldKernel:
@@ -260,29 +302,35 @@ class GoldKernel:
         lz = blk.x.new_zeros(blk.num_rows + 1).index_add_(0, seg, blk.logz)
         return {"x": xsum[:-1], "lz": lz[:-1]}
 
-    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-        cnt = counts.to(raw["x"].dtype)
-        a = (raw["x"] - raw["lz"][:, None]) / cnt[:, None]  # chunk-mean log-probs, this shard
-        rows = a.shape[0]
-        a_common = a.new_zeros(rows, self.num_common).index_copy(
-            1, self.pair_local, a.index_select(1, self.col_common))
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, lz = raw["x"], raw["lz"]
+        cnt = counts.to(x.dtype)[:, None]
+        rows = x.shape[0]
+
+        def mean_logprobs(cols: torch.Tensor) -> torch.Tensor:  # chunk means, this shard
+            return (x.index_select(1, cols) - lz[:, None]) / cnt
+
+        a_common = mean_logprobs(self.col_common)
+        if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
+            a_common = a_common.new_zeros(rows, self.num_common).index_copy(
+                1, self.pair_local, a_common)
         a_common = replicated_sum(a_common, self.tp_group)
         b_common = _rows_of(self.payload.logprobs, keys)
         n = self.num_uncommon
-        a_unc = a.index_select(1, self.col_uncommon)
+        a_unc = mean_logprobs(self.col_uncommon)
         if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
-            a_unc = torch.cat([a_unc, a.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
-        merged = a_unc.topk(n, dim=1).values  # sorted, descending
+            a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
+        merged = sorted_top(a_unc, n)  # descending
         if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
-            merged = replicated_gather(merged, self.tp_group, dim=1).topk(n, dim=1).values
+            merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
         kl = gold_kl(a_common, b_common, merged.exp(), t_sorted, self.reverse)
+        if not top1:
+            return kl, None
         if self.num_common:
-            top1 = a_common.argmax(-1) == b_common.argmax(-1)
-        else:
-            top1 = torch.zeros(rows, dtype=torch.bool, device=a.device)
-        return kl, top1
+            return kl, a_common.argmax(-1) == b_common.argmax(-1)
+        return kl, torch.zeros(rows, dtype=torch.bool, device=x.device)
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:

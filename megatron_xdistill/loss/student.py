@@ -245,7 +245,7 @@ class _Plan:
         """d(sum_r weight_r * T^2 * KL_r) / d raw (weight: scalar or per row)."""
         leaves = {k: v.detach().requires_grad_(True) for k, v in raw.items()}
         with torch.enable_grad():
-            kl, _ = self.kernel.kl(leaves, keys, counts)
+            kl, _ = self.kernel.kl(leaves, keys, counts, top1=False)
             total = (kl * weight).sum() * (self.temp * self.temp)
             names = list(leaves)
             grads = torch.autograd.grad(total, [leaves[k] for k in names], allow_unused=True)
@@ -472,7 +472,8 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
             raise ValueError(f"projection shard has {shard.num_rows} rows, logits {v_local}")
         shard = shard.to(dev)
         if kernel_class is DenseKernel:
-            kernel = DenseKernel(payload, shard, num_real, reverse, tp_group)
+            kernel = DenseKernel(payload, shard, num_real, reverse, tp_group,
+                                 torch.cat([rows.keys, rows.split_keys]))
         else:
             kernel = ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), reverse, tp_group)
     else:

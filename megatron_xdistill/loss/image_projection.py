@@ -1,0 +1,223 @@
+"""W on its image: the exact (all of V_t) P-KL with no [rows, V_t] work on the student side.
+
+A teacher column that no student token maps to (outside the image I of W) gets projected mass 0
+whatever the student does, so its share of the KL is the teacher's alone (``DenseKernel`` takes it
+once per row from the payload). The student side therefore projects onto I only: for each chunk
+row, q_I = (sum of its positions' probabilities) W_I, with W's nonzeros renumbered onto I. I is the
+image of the whole W (the union over the TP ranks), so every TP rank writes its rows' shares into
+the same [rows, |I|] layout and one sum over TP completes q.
+
+Two implementations of the same two maps (a block's positions -> q_I per row; a gradient on q_I
+-> the gradient on the block's logits), chosen by device: Numba kernels on CPU (a row's positions
+summed, projected and scattered in one pass, parallel over rows; W's nonzeros stay in L2), torch
+gathers and ``index_add_`` elsewhere (CUDA).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numba
+import torch
+from numba import njit, prange
+
+from .collectives import Group, all_reduce
+from .shard import ProjectionShard
+from .workspace import scratch
+
+# Numba's OpenMP layer keeps its threads spinning after each parallel loop (a rank that should use
+# one core uses two) and shares the OpenMP runtime with torch; its own thread pool does neither.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _project_rows(p, factor, order, row_off, ccol, crow_student, cval, mass, out):  # pragma: no cover
+    """out[r] = (sum over row r's positions i of p[i] * factor[i]) W_I. ``mass`` [rows, n] is
+    scratch; W_I's entries are given by teacher column (CSC: ``ccol`` offsets per column of I),
+    so each output is one sequential write and the gathers read a row's mass from cache."""
+    n = p.shape[1]
+    for r in prange(out.shape[0]):
+        m = mass[r]
+        m[:] = 0.0
+        for j in range(row_off[r], row_off[r + 1]):
+            i = order[j]
+            f = factor[i]
+            pi = p[i]
+            for s in range(n):
+                m[s] += pi[s] * f
+        o = out[r]
+        for t in range(o.shape[0]):
+            acc = 0.0
+            for e in range(ccol[t], ccol[t + 1]):
+                acc += m[crow_student[e]] * cval[e]
+            o[t] = acc
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _unproject_rows(p, factor, order, row_off, crow, col, val, g, h, dot):  # pragma: no cover
+    """h[r] = W_I g[r] (the gradient on a row's student probabilities); dot[i] = <p_i, h[row]>
+    (this shard's part) for each position i of row r."""
+    n = p.shape[1]
+    for r in prange(h.shape[0]):
+        gr, hr = g[r], h[r]
+        for s in range(n):
+            acc = 0.0
+            for e in range(crow[s], crow[s + 1]):
+                acc += gr[col[e]] * val[e]
+            hr[s] = acc
+        for j in range(row_off[r], row_off[r + 1]):
+            i = order[j]
+            d = 0.0
+            for s in range(n):
+                d += p[i, s] * hr[s]
+            dot[i] = d * factor[i]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _combine(out, factor, seg, h, dot, inv_t, coef):  # pragma: no cover - numba
+    """out (this shard's softmax) <- p * (inv_t * (h[row] - dot) + coef), p = out * factor."""
+    n = out.shape[1]
+    for i in prange(out.shape[0]):
+        f, row = factor[i], seg[i]
+        if row < 0:
+            c = f * coef[i]
+            for s in range(n):
+                out[i, s] *= c
+        else:
+            a = f * inv_t
+            b = f * (coef[i] - inv_t * dot[i])
+            hr = h[row]
+            for s in range(n):
+                out[i, s] = out[i, s] * (a * hr[s] + b)
+
+
+def _row_runs(seg: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions that belong to a row, grouped by row; offsets [num_rows + 1] into them)."""
+    order = torch.nonzero(seg >= 0, as_tuple=True)[0]
+    rows = seg.index_select(0, order)
+    counts = torch.bincount(rows, minlength=num_rows)
+    _, perm = torch.sort(rows, stable=True)
+    off = torch.zeros(num_rows + 1, dtype=torch.int64, device=seg.device)
+    off[1:] = torch.cumsum(counts, 0)
+    return order.index_select(0, perm), off
+
+
+def _use_torch_threads() -> None:
+    """Numba's parallel loops take as many threads as torch (one per rank on a shared CPU)."""
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
+def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros(1, *t.shape[1:])], dim=0)
+
+
+@dataclass
+class ImageProjection:
+    """This TP rank's real rows of W, with teacher columns renumbered onto the image I of the
+    whole W (see the module docstring). Entries are row-major (CSR over local student rows)."""
+
+    image: torch.Tensor    # [|I|] int64 teacher ids, ascending, the same on every TP rank
+    crow: torch.Tensor     # [n + 1] int64 entry offsets of the n real local student rows
+    col: torch.Tensor      # [E] int64 position in ``image``
+    val: torch.Tensor      # [E] float32 weight
+    student: torch.Tensor  # [E] int64 local student row of each entry
+    ccol: torch.Tensor     # [|I| + 1] int64 entry offsets per column of I (the CSC order below)
+    csc_student: torch.Tensor  # [E] int64 student row of each entry, by column of I
+    csc_val: torch.Tensor  # [E] float32 its weight
+
+    @classmethod
+    def build(cls, shard: ProjectionShard, num_real: int, tp_group: Group) -> ImageProjection:
+        """Collective over TP (one max all-reduce of a [V_t] mask): every rank must call it."""
+        keep = shard.student < num_real
+        student, teacher = shard.student[keep], shard.teacher[keep]
+        mask = torch.zeros(shard.teacher_vocab_size, dtype=torch.int32, device=teacher.device)
+        mask[teacher] = 1
+        all_reduce(mask, tp_group, "max")
+        image = torch.nonzero(mask, as_tuple=True)[0]
+        position = torch.cumsum(mask, 0) - 1
+        counts = torch.bincount(student, minlength=num_real)
+        crow = torch.zeros(num_real + 1, dtype=torch.int64, device=teacher.device)
+        crow[1:] = torch.cumsum(counts, 0)
+        col = position.index_select(0, teacher).to(torch.int64)
+        value = shard.value[keep].contiguous()
+        by_column = torch.argsort(col * max(num_real, 1) + student)
+        ccol = torch.zeros(image.numel() + 1, dtype=torch.int64, device=teacher.device)
+        ccol[1:] = torch.cumsum(torch.bincount(col, minlength=image.numel()), 0)
+        return cls(image, crow, col, value, student, ccol,
+                   student.index_select(0, by_column), value.index_select(0, by_column))
+
+    @classmethod
+    def of(cls, shard: ProjectionShard, num_real: int, tp_group: Group) -> ImageProjection:
+        """:meth:`build`, kept on the shard (a run's shard lives as long as the run)."""
+        cache = shard.__dict__.setdefault("_image_projections", {})
+        key = (num_real, id(tp_group))
+        if key not in cache:
+            cache[key] = cls.build(shard, num_real, tp_group)
+        return cache[key]
+
+    @property
+    def size(self) -> int:
+        return int(self.image.numel())
+
+    @staticmethod
+    def _numba(t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+
+    def _weights(self, dtype: torch.dtype, by_column: bool = False) -> torch.Tensor:
+        val = self.csc_val if by_column else self.val
+        return val if val.dtype == dtype else val.to(dtype)
+
+    def project(self, probs_local: torch.Tensor, factor: torch.Tensor, seg: torch.Tensor,
+                num_rows: int, use_numba: bool | None = None) -> torch.Tensor:
+        """[num_rows, |I|]: per row, its positions' probabilities (``probs_local * factor``)
+        summed and projected onto I. ``seg``: row of each position, -1 for none.
+        ``use_numba``: None picks by device (tests force either)."""
+        out = probs_local.new_zeros(num_rows, self.size)
+        if self._numba(probs_local) if use_numba is None else use_numba:
+            order, off = _row_runs(seg, num_rows)
+            _use_torch_threads()
+            mass = scratch("image_mass", num_rows * probs_local.shape[1], out.device, out.dtype)
+            _project_rows(probs_local.numpy(), factor.contiguous().numpy(), order.numpy(),
+                          off.numpy(), self.ccol.numpy(), self.csc_student.numpy(),
+                          self._weights(out.dtype, by_column=True).numpy(),
+                          mass.view(num_rows, -1).numpy(), out.numpy())
+            return out
+        seg_d = torch.where(seg >= 0, seg, num_rows)
+        n = probs_local.shape[1]
+        rows = probs_local.new_zeros(num_rows + 1, n).index_add_(
+            0, seg_d, probs_local * factor[:, None])[:-1]
+        return out.index_add_(1, self.col, rows.index_select(1, self.student)
+                              * self._weights(out.dtype))
+
+    def backward_into(self, out: torch.Tensor, factor: torch.Tensor, seg: torch.Tensor,
+                      grad_q: torch.Tensor, inv_t: float, coef: torch.Tensor,
+                      tp_group: Group, use_numba: bool | None = None) -> None:
+        """``out`` holds this shard's softmax of the block; leaves in it the gradient on the
+        block's logits / T of sum_r <grad_q[r], q_I[r]> scaled by inv_t, plus ``coef * p``
+        (CE's softmax part). One sum all-reduce over TP (the <p, h> of each position)."""
+        num_rows = grad_q.shape[0]
+        grad_q = grad_q.to(out.dtype).contiguous()
+        if self._numba(out) if use_numba is None else use_numba:
+            order, off = _row_runs(seg, num_rows)
+            h = out.new_empty(num_rows, out.shape[1])
+            dot = torch.zeros(out.shape[0], dtype=out.dtype)
+            _use_torch_threads()
+            _unproject_rows(out.numpy(), factor.contiguous().numpy(), order.numpy(), off.numpy(),
+                            self.crow.numpy(), self.col.numpy(), self._weights(out.dtype).numpy(),
+                            grad_q.numpy(), h.numpy(), dot.numpy())
+            all_reduce(dot, tp_group)
+            _combine(out.numpy(), factor.contiguous().numpy(), seg.contiguous().numpy(),
+                     h.numpy(), dot.numpy(), float(inv_t), coef.to(out.dtype).contiguous().numpy())
+            return
+        h_rows = out.new_zeros(num_rows, out.shape[1]).index_add_(
+            1, self.student, grad_q.index_select(1, self.col) * self._weights(out.dtype))
+        h = _with_zero_row(h_rows)[torch.where(seg >= 0, seg, num_rows)]
+        dot = (out * h).sum(1) * factor
+        all_reduce(dot, tp_group)
+        h.sub_((dot - coef / inv_t)[:, None]).mul_((factor * inv_t)[:, None])
+        out.mul_(h)
+
+
+__all__ = ["ImageProjection"]

@@ -1,0 +1,94 @@
+"""The loss's two fast building blocks against plain dense computations.
+
+``ImageProjection`` (the exact P-KL's projection onto the image of W; Numba on CPU, torch on other
+devices: both paths run here) against a dense [V_s, V_t] product; ``sorted_top`` (gold's sorted
+uncommon values; NumPy on CPU) against ``torch.topk``, values and gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_xdistill.loss.image_projection import ImageProjection
+from megatron_xdistill.loss.shard import ProjectionShard
+from megatron_xdistill.loss.sorted_top import sorted_top
+
+VS, VT = 40, 90
+
+
+def _shard(seed: int = 0) -> tuple[ProjectionShard, torch.Tensor]:
+    """A W with up to 3 entries per row, some empty rows, and its dense form."""
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VT, (VS, 3), generator=gen)
+    w = torch.rand(VS, 3, generator=gen, dtype=torch.float64)
+    idx[torch.rand(VS, 3, generator=gen) < 0.3] = -1
+    idx[:3] = -1
+    dense = torch.zeros(VS, VT, dtype=torch.float64)
+    for s in range(VS):
+        for j in range(3):
+            if idx[s, j] >= 0:
+                dense[s, idx[s, j]] += w[s, j].float().double()
+    return ProjectionShard(idx, w.float(), 0, VT), dense
+
+
+def _block(seed: int, dtype: torch.dtype):
+    """Positions of 5 rows (runs of 1-3 positions, some positions in no row)."""
+    gen = torch.Generator().manual_seed(seed)
+    seg = torch.tensor([-1, 0, 0, 1, -1, 2, 2, 2, 3, 4, -1, 4])
+    probs = torch.softmax(torch.randn(seg.numel(), VS, generator=gen, dtype=torch.float64), 1)
+    factor = torch.rand(seg.numel(), generator=gen, dtype=torch.float64) + 0.5
+    return probs.to(dtype), factor.to(dtype), seg
+
+
+@pytest.mark.parametrize("use_numba", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_image_projection_equals_the_dense_product(use_numba, dtype):
+    shard, dense = _shard()
+    proj = ImageProjection.build(shard, VS, None)
+    assert torch.equal(proj.image, torch.nonzero(dense.sum(0) > 0, as_tuple=True)[0])
+    probs, factor, seg = _block(1, dtype)
+    got = proj.project(probs, factor, seg, 5, use_numba=use_numba)
+    p = probs.double() * factor.double()[:, None]
+    rows = torch.stack([p[seg == r].sum(0) for r in range(5)])
+    want = (rows @ dense)[:, proj.image]
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("use_numba", [True, False])
+def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numba):
+    """backward_into leaves the gradient on logits / T of sum <g, q_I> (x inv_t) plus coef * p,
+    where p = softmax over the whole vocabulary = probs_local * factor (one TP rank here)."""
+    shard, dense = _shard(2)
+    proj = ImageProjection.build(shard, VS, None)
+    gen = torch.Generator().manual_seed(3)
+    seg = torch.tensor([-1, 0, 0, 1, -1, 2, 2, 2, 3, 4, -1, 4])
+    x = torch.randn(seg.numel(), VS, generator=gen, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, proj.size, generator=gen, dtype=torch.float64)
+    coef = torch.randn(seg.numel(), generator=gen, dtype=torch.float64)
+    inv_t = 0.5
+    p = torch.softmax(x, 1)
+    rows = torch.stack([p[seg == r].sum(0) for r in range(5)])
+    (inv_t * ((rows @ dense)[:, proj.image] * g).sum()).backward()
+    want = x.grad + coef[:, None] * p.detach()
+    out = p.detach().clone()
+    proj.backward_into(out, torch.ones(seg.numel(), dtype=torch.float64), seg, g, inv_t, coef,
+                       None, use_numba=use_numba)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [1, 7, 50])
+def test_sorted_top_equals_topk_with_its_gradient(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(6, 50, generator=gen, dtype=torch.float64)
+    x[0, :10] = float("-inf")  # a short shard's padding
+    weight = torch.randn(6, n, generator=gen, dtype=torch.float64)
+    mine = x.clone().requires_grad_(True)
+    (sorted_top(mine, n) * weight).sum().backward()
+    ref = x.clone().requires_grad_(True)
+    (ref.topk(n, dim=1).values * weight).sum().backward()
+    with torch.no_grad():
+        torch.testing.assert_close(sorted_top(x, n), x.topk(n, dim=1).values)
+    finite = torch.isfinite(x)  # tied -inf pads may be taken in any order (exp(-inf) = 0 in gold)
+    torch.testing.assert_close(mine.grad[finite], ref.grad[finite])
