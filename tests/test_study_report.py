@@ -49,3 +49,17 @@ def test_worse_is_called_worse_and_one_seed_is_never_real():
     assert rows[0]["real"] and study._verdict(rows[0]) == "worse than CE-only"
     (row,) = study.verdicts(_results({"ce": [2.0], "kd": [1.0]}))
     assert not row["real"] and math.isnan(row["spread"])
+
+
+def test_run_settings_name_a_run_by_what_decides_its_result():
+    """A published run is skipped on another machine only when nothing that decides its result
+    changed (variant, experiment block, payload, evaluation, seed); paths are not part of it."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(study.HERE) / "study.yaml")
+    same = study.run_settings(cfg, "pkl", 1)
+    assert study.run_settings(OmegaConf.merge(cfg, {"work_dir": "/elsewhere"}), "pkl", 1) == same
+    assert study.run_settings(cfg, "pkl", 2) != same
+    assert study.run_settings(cfg, "gold", 1) != same
+    assert study.run_settings(OmegaConf.merge(cfg, {"signal": {"lr": 5e-4}}), "pkl", 1) != same
+    assert study.run_settings(OmegaConf.merge(cfg, {"kd": {"topk": 8}}), "pkl", 1) != same

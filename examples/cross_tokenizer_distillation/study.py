@@ -12,7 +12,8 @@ standard library split by module; seeds change the data order.
 The teacher runs once per payload form: ``pretrain_xdistill.py --teacher-cache-only`` fills a
 payload cache that every run of that form reads (``--teacher-cache``), so a variant costs a
 student's training only. Every stage is resumable: runs continue from their last checkpoint,
-teacher passes from their last committed shard, finished stages are skipped. ``REPORT-<exp>.md``
+teacher passes from their last committed shard, finished stages are skipped; a run recorded in ``results/<exp>.json`` beside this file (kept with
+the example, so a study can span machines) with the same settings is not run again. ``REPORT-<exp>.md``
 (mean +- std over seeds per held-out set, differences to CE-only called real only beyond twice
 the seed spread, paired training curves) is rewritten from ``work_dir/results.json``.
 """
@@ -235,8 +236,9 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
 
 
 def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
-             stamp: str) -> dict:
-    """Held-out bits per byte (``megatron_xdistill.evaluate``; cached by model and settings)."""
+             stamp: str, known: dict | None = None) -> dict:
+    """Held-out bits per byte (``megatron_xdistill.evaluate``; cached by model and settings,
+    also across machines through ``known``: the same evaluation in the published results)."""
     args = [*model_args, "--data", str(heldout), "--seq-length", str(cfg.eval.seq_length),
             "--micro-batch-size", str(cfg.eval.micro_batch_size), "--max-chars",
             str(cfg.eval.max_chars)]
@@ -244,6 +246,8 @@ def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
     out = work / "eval" / f"{label}.json"
     if out.is_file() and json.loads(out.read_text()).get("key") == key:
         return json.loads(out.read_text())
+    if known and known.get("key") == key:
+        return known
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     run_command([sys.executable, "-m", "megatron_xdistill.evaluate", *args, "--json", str(tmp),
@@ -256,6 +260,33 @@ def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
 
 
 # --------------------------------------------------------------------------- the study
+def published_results(cfg) -> Path:
+    """The results kept with the example (committed): a study spans machines and sessions, and
+    a run whose settings are recorded there is not run again."""
+    return HERE / "results" / f"{cfg.experiment}.json"
+
+
+def run_settings(cfg, name: str, seed: int) -> str:
+    """Digest of what decides a run's result (variant, experiment block, payload, seed), free
+    of machine paths: equal digests are the same run."""
+    from omegaconf import OmegaConf
+
+    def plain(node):
+        return OmegaConf.to_container(node, resolve=True)
+
+    return _digest([cfg.experiment, plain(cfg.variants[name]), plain(cfg[cfg.experiment]),
+                    plain(cfg.kd), plain(cfg.eval), seed])
+
+
+def _write_results(cfg, work: Path, results: dict) -> None:
+    text = json.dumps(results, indent=1)
+    for path in (work / "results.json", published_results(cfg)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
 def run_study(cfg) -> dict:
     from omegaconf import OmegaConf
 
@@ -272,33 +303,43 @@ def run_study(cfg) -> dict:
     heldouts = [k for k in data if k != "train"]
     results: dict = {"config": OmegaConf.to_container(cfg, resolve=True), "machine": machine(),
                      "runs": {}, "evals": {}}
-    earlier = work / "results.json"
-    if earlier.is_file():  # earlier invocations' runs (other variants or seeds) stay reported
-        old = json.loads(earlier.read_text())
-        results["runs"], results["evals"] = old.get("runs", {}), old.get("evals", {})
+    # Earlier invocations' runs (other variants or seeds, here or on another machine) stay
+    # reported; the published copy is the one that travels with the example.
+    for earlier in (published_results(cfg), work / "results.json"):
+        if earlier.is_file():
+            old = json.loads(earlier.read_text())
+            results["runs"].update(old.get("runs", {}))
+            results["evals"].update(old.get("evals", {}))
+    evals = results["evals"]
     first = pairs[cfg.seeds[0]]
     for name in heldouts:  # the teacher, and each seed's student before training
-        results["evals"][f"teacher/{name}"] = evaluate(
+        evals[f"teacher/{name}"] = evaluate(
             cfg, work, f"teacher-{name}", ["--load", str(first.teacher_ckpt), "--tokenizer",
-                                           str(first.teacher_hf)], data[name], "teacher")
+                                           str(first.teacher_hf)], data[name], "teacher",
+            evals.get(f"teacher/{name}"))
     for seed in cfg.seeds:  # seed-major: every variant of seed 1 first (early paired results)
         pair = pairs[seed]
         for name in heldouts:
-            results["evals"][f"before-s{seed}/{name}"] = evaluate(
+            evals[f"before-s{seed}/{name}"] = evaluate(
                 cfg, work, f"before-s{seed}-{name}",
                 ["--load", str(pair.student_ckpt), "--tokenizer", str(pair.student_hf)],
-                data[name], f"before:{pair.student_ckpt}")
+                data[name], f"before:{pair.student_ckpt}", evals.get(f"before-s{seed}/{name}"))
         for variant in cfg.variants_to_run:
-            run_dir = train_run(cfg, work, pair, data, variant, seed)
             key = f"{variant}-s{seed}"
-            results["runs"][key] = {"variant": variant, "seed": seed,
+            settings = run_settings(cfg, variant, seed)
+            done = results["runs"].get(key, {})
+            if done.get("settings") == settings and all(f"{key}/{n}" in evals for n in heldouts):
+                say(f"{key}: in the results with these settings; not run again")
+                continue
+            run_dir = train_run(cfg, work, pair, data, variant, seed)
+            results["runs"][key] = {"variant": variant, "seed": seed, "settings": settings,
                                     "metrics": read_metrics(run_dir / "metrics.jsonl")}
             tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
             for name in heldouts:
-                results["evals"][f"{key}/{name}"] = evaluate(
+                evals[f"{key}/{name}"] = evaluate(
                     cfg, work, f"{key}-{name}", ["--load", str(run_dir / "ckpt")], data[name],
                     f"{run_dir}:{tracker.stat().st_mtime}")
-            (work / "results.json").write_text(json.dumps(results, indent=1))
+            _write_results(cfg, work, results)
     write_report(results, Path(cfg.report_dir).resolve())
     return results
 
