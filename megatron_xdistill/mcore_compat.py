@@ -10,7 +10,8 @@ One fix here applies on GPUs too: Megatron-Core 0.19 still reads the global para
 one checkpoint path of models built from a ``pg_collection`` (see
 :func:`_patch_tied_embedding_checkpoint`); the student and the teacher never share that state.
 And without TE/Apex its distributed optimizer cannot load its own fully reshardable checkpoint
-into torch's Adam (:func:`_patch_distributed_optimizer_step_state`).
+into torch's Adam (:func:`_patch_distributed_optimizer_step_state`). Its checkpoint writer starts
+a process per rank that a killed rank leaves behind (:func:`_in_process_write_results_queue`).
 
 Call :func:`install` before using ``megatron.core`` (every module of ours that needs it does).
 """
@@ -314,6 +315,21 @@ def _patch_distributed_optimizer_step_state() -> None:
     DistributedOptimizer.load_state_dict = load_state_dict
 
 
+def _in_process_write_results_queue() -> None:
+    """Covers: dist_checkpointing.save (torch_dist, also on GPUs): its writer collects the
+    writer threads' results through ``filesystem_async.get_write_results_queue``, a queue served
+    by a multiprocessing Manager, i.e. a server process per rank. That process outlives a rank
+    killed by SIGKILL, keeps the job's stdout open (the launcher's pipe never closes) and never
+    exits. Our saves are synchronous (the writers are threads of the saving process), so an
+    in-process queue serves them; an async save (not used here) would need the Manager."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def install() -> None:
     """Install all CPU workarounds (idempotent). Does nothing when CUDA is available."""
     global _INSTALLED, _CUDA_MODE
@@ -324,6 +340,7 @@ def install() -> None:
     _stub_triton_paged_stash()
     _patch_tied_embedding_checkpoint()
     _patch_distributed_optimizer_step_state()
+    _in_process_write_results_queue()
     if cuda_available():
         return
     _patch_torch_cuda()

@@ -1,10 +1,11 @@
 """Faults with real processes: a rank SIGKILLed under torchrun, mid-run and mid-save.
 
-``pretrain_xdistill.py`` runs under ``torchrun`` (the user's launcher) on CPU ranks. A student rank
-(colocated) or the teacher rank (disaggregated) is killed with SIGKILL while a checkpoint is being
-written (or just after one was): the job must exit non-zero within a bounded time with a report
-that names the dead rank, leave no shared-memory segment behind, and the rerun of the same command
-must resume from the last complete checkpoint and reproduce the uninterrupted run's losses.
+``pretrain_xdistill.py`` runs under ``torchrun`` (the user's launcher) on CPU ranks. A colocated
+rank (student and teacher), or the student or the teacher rank of a disaggregated run, is killed
+with SIGKILL while a checkpoint is being written: the job must exit non-zero within a bounded time
+with a report that names the dead rank, leave no shared-memory segment behind, and the rerun of
+the same command must resume from the last complete checkpoint and reproduce the uninterrupted
+run's losses.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def _command(root: Path, s_tok, t_tok, name: str, nproc: int, extra: list[str]) 
             str(REPO / "pretrain_xdistill.py"), *argv]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def _env(save_pause_s: float = 0.0) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            "XDISTILL_FAULT_SAVE_PAUSE_S": str(save_pause_s)}
 
 
 def _run(cmd: list[str]) -> None:
@@ -82,21 +84,20 @@ def _rank_pid(launcher: int, rank: int) -> int | None:
 
 
 def _kill_during_a_save(cmd: list[str], save: Path, rank: int) -> tuple[int, str, bool]:
-    """Start the job, SIGKILL ``rank`` while the checkpoint after iteration 2 is being written
-    (or as soon as it is complete, if the save was too quick to see); returns the job's exit code,
-    its output and whether the kill landed during a save."""
-    job = subprocess.Popen(cmd, env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+    """Start the job, SIGKILL ``rank`` while the checkpoint after iteration 3 is being written
+    (every save pauses 3 s between its writes and its rename: XDISTILL_FAULT_SAVE_PAUSE_S);
+    returns the job's exit code, its output and whether the kill landed during that save."""
+    job = subprocess.Popen(cmd, env=_env(save_pause_s=3.0), cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     tracker = save / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 600
     during_save = False
     while time.monotonic() < deadline and job.poll() is None:
         saved = int(tracker.read_text()) if tracker.is_file() else 0
-        if saved >= 2:
-            during_save = any(save.glob("iter_*.tmp"))
-            if during_save or saved >= 3:
-                break
-        time.sleep(0.005)
+        if saved >= 2 and (save / "iter_0000003.tmp").is_dir():
+            during_save = True
+            break
+        time.sleep(0.01)
     assert job.poll() is None, "the run ended before it could be killed:\n" + job.stdout.read()
     pid = _rank_pid(job.pid, rank)
     assert pid is not None, f"no worker with RANK={rank} under torchrun {job.pid}"
@@ -105,8 +106,12 @@ def _kill_during_a_save(cmd: list[str], save: Path, rank: int) -> tuple[int, str
     try:
         output, _ = job.communicate(timeout=EXIT_BOUND_S)
     except subprocess.TimeoutExpired:
+        alive = subprocess.run(["ps", "--ppid", str(job.pid), "-o", "pid,stat,wchan,cmd"],
+                               capture_output=True, text=True).stdout
         job.kill()
-        pytest.fail(f"the job was still running {EXIT_BOUND_S} s after rank {rank} was killed")
+        output, _ = job.communicate()
+        pytest.fail(f"the job was still running {EXIT_BOUND_S} s after rank {rank} was killed; "
+                    f"its workers:\n{alive}\noutput:\n{output[-4000:]}")
     assert time.monotonic() - killed_at < EXIT_BOUND_S
     return job.returncode, output, during_save
 
@@ -120,10 +125,11 @@ def uninterrupted(e2e_setup):
     return losses
 
 
+DISAGGREGATED = ["--teacher-placement", "disaggregated", "--teacher-ranks", "1"]
 PLACEMENTS = {  # killed rank, world, flags
-    "colocated_student_rank": (1, 2, []),
-    "disaggregated_teacher_rank": (2, 3, ["--teacher-placement", "disaggregated",
-                                          "--teacher-ranks", "1"]),
+    "colocated_student_and_teacher_rank": (1, 2, []),
+    "disaggregated_student_rank": (0, 3, DISAGGREGATED),
+    "disaggregated_teacher_rank": (2, 3, DISAGGREGATED),
 }
 
 
@@ -133,13 +139,13 @@ def test_a_killed_rank_ends_the_job_and_the_rerun_resumes_exactly(e2e_setup, uni
     rank, world, flags = PLACEMENTS[name]
     shm_before = set(glob.glob("/dev/shm/xdistill_*"))
     cmd = _command(root, s_tok, t_tok, name, world, flags)
-    code, output, _ = _kill_during_a_save(cmd, root / name, rank)
-    assert code != 0, output[-3000:]
+    code, output, during_save = _kill_during_a_save(cmd, root / name, rank)
+    assert during_save and code != 0, output[-3000:]
     assert f"rank: {rank}" in output and "SIGKILL" in output, output[-3000:]
     assert set(glob.glob("/dev/shm/xdistill_*")) <= shm_before, "shared memory left behind"
-    # The interrupted save left no checkpoint that a run would take for complete.
-    tracker = int((root / name / "latest_checkpointed_iteration.txt").read_text())
-    assert (root / name / f"iter_{tracker:07d}").is_dir()
+    # The interrupted save of iteration 3 is not taken for a checkpoint: 2 is the last one.
+    assert (root / name / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (root / name / "iter_0000003").exists()
 
     _run(cmd)  # the same command again: resumes from the last complete checkpoint
     got = _losses_by_step(root, name)

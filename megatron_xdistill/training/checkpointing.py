@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,14 @@ def _shared_common(state: dict) -> dict:
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
+def _pause_for_fault_tests() -> None:
+    """``XDISTILL_FAULT_SAVE_PAUSE_S``: hold a save between its writes and its rename that long,
+    so tests/test_faults.py kills a rank while a save is surely in flight (unset: no pause)."""
+    pause = float(os.environ.get("XDISTILL_FAULT_SAVE_PAUSE_S", "0") or 0)
+    if pause > 0:
+        time.sleep(pause)
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_cp_group,
                     common: dict, partial_world: bool = False) -> str:
     """Collective over the world: write the checkpoint of ``iteration`` under ``root``; returns
@@ -124,6 +133,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
         else None)
     if model is not None:
         torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
+    _pause_for_fault_tests()
     dist.barrier()
     if rank == 0:
         if os.path.exists(final):
