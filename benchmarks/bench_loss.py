@@ -24,9 +24,27 @@ net of .grad as a share of the logits):
    4,096  49,152   chunk_topk   1.27        9.7%
    4,096  128,256  topk         1.18        5.9%
    4,096  128,256  chunk_topk   1.13        5.9%
-   4,096  49,152   gold         6.9        9.9%  (per-chunk sorted top-8192 of the uncommon
-                                                  columns; was 10.4x / 36% with larger blocks)
-   4,096  49,152   full        20.5      116%    (projects onto all of V_t: for checking)
+
+Gold / H-KL and the exact form (all of V_t), 4,096 tokens, V_s = 49,152, A/B on the same machine
+state (the study paused; 2026-11-25): before = commit be3baac, after = the image projection
+(``loss/image_projection.py``) and NumPy's sort of the uncommon values (``loss/sorted_top.py``):
+
+  threads  form   before x CE  after x CE   extra / logits (after)
+  1        full      18.7         13.3         33%  (Numba's runtime, ~0.1 GiB, counts here)
+  1        gold       8.3          4.6         9.7%
+  2        full      23.6         16.0         33%
+  2        gold       9.2          5.9         9.5%
+  (V_s = 128,256, 2 threads, after: full 9.6x, gold 5.4x, chunk_topk 1.3x)
+
+Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
+reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least
+three times per chunk (teacher-only terms, and P on W's image in forward and in the recomputing
+backward), and its projection is a sparse gather of ~2.7 entries per student column with no
+locality (about 5 ns per entry here, 7x a softmax pass over the same rows), done twice.
+Gold's L1 needs each chunk's 8,192 largest uncommon values sorted (0.1 ms per row for the
+values, 0.3 ms with their columns in the backward: 0.85x CE on its own). The compact default
+(chunk top-64 + tail) is the form to train with; these two are for checking and for gold's
+uncommon-vocabulary term.
 
 Targets (<= 1.5x CE, <= 10% of the logits) are met by both compressed forms at the issue's size
 (16k tokens; Megatron's CE makes several full passes and temporaries there). On a GPU:
