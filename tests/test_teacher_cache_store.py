@@ -64,6 +64,26 @@ def test_an_unflushed_writer_leaves_nothing_a_reader_lists(tmp_path):
     assert not list((tmp_path / SHARD_DIR).glob("*.tmp"))
 
 
+def test_a_slow_writer_commits_on_time_whatever_the_size(tmp_path, monkeypatch):
+    """A killed pass loses at most commit_seconds of teacher work, even when its shard size
+    would take hours of a slow teacher to fill."""
+    from megatron_xdistill.teacher_cache import store
+
+    now = [0.0]
+    monkeypatch.setattr(store.time, "monotonic", lambda: now[0])
+    out = ShardWriter(tmp_path, 0, NUMEL, shard_bytes=1 << 30, commit_seconds=10.0)
+    for sample, at in [(0, 0.0), (1, 5.0)]:
+        now[0] = at
+        out.add(sample, sample_check(_sample(sample)), _payload(sample))
+    assert committed_samples(tmp_path).size == 0  # the oldest row is 5 s old
+    now[0] = 10.0
+    out.add(2, sample_check(_sample(2)), _payload(2))
+    assert committed_samples(tmp_path).tolist() == [0, 1, 2]
+    now[0] = 15.0  # the clock restarts with the next queued row
+    out.add(3, sample_check(_sample(3)), _payload(3))
+    assert committed_samples(tmp_path).tolist() == [0, 1, 2]
+
+
 def test_truncated_shard_is_refused_by_name(tmp_path):
     shard = _write(tmp_path, [0, 1, 2]).flush()
     data = shard.read_bytes()

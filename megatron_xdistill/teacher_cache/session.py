@@ -17,7 +17,14 @@ import numpy as np
 import torch
 
 from .manifest import Manifest, check_key, load_manifest, save_manifest
-from .store import CacheError, ShardReader, ShardWriter, committed_samples, sample_check
+from .store import (
+    COMMIT_SECONDS,
+    CacheError,
+    ShardReader,
+    ShardWriter,
+    committed_samples,
+    sample_check,
+)
 
 
 class TeacherCache:
@@ -46,7 +53,7 @@ class TeacherCache:
 
     def attach(self, teacher_model: dict, num_samples: int, numel: int, rank: int,
                writer: bool, reader: bool, barrier: Callable[[], None],
-               shard_bytes: int = 256 << 20) -> None:
+               shard_bytes: int = 256 << 20, commit_seconds: float = COMMIT_SECONDS) -> None:
         """Collective: rank 0 writes a new cache's manifest; then this rank opens its shard
         writer (a teacher rank that sends payloads) or reader (a student's last stage)."""
         if self.manifest is not None and self.manifest.numel != numel:
@@ -63,7 +70,7 @@ class TeacherCache:
         if self.reading and reader:
             self.reader = ShardReader(self.root, numel)
         if not self.reading and writer:
-            self.writer = ShardWriter(self.root, rank, numel, shard_bytes)
+            self.writer = ShardWriter(self.root, rank, numel, shard_bytes, commit_seconds)
 
     # ------------------------------------------------------------------ per step
     def record(self, samples: Mapping[int, dict], payloads: Mapping[int, torch.Tensor]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -91,15 +92,23 @@ def committed_samples(root: str | os.PathLike) -> np.ndarray:
     return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
 
 
+#: A writer commits its queued rows at least this often (s): what a killed pass can lose.
+COMMIT_SECONDS = 120.0
+
+
 class ShardWriter:
-    """Buffers one writer's rows and commits them as shards of about ``shard_bytes``."""
+    """Buffers one writer's rows and commits them as shards of about ``shard_bytes``, or of
+    whatever is queued once the oldest queued row is ``commit_seconds`` old (a slow teacher
+    would otherwise hold hours of payloads in memory, lost to a kill)."""
 
     def __init__(self, root: str | os.PathLike, writer: int, numel: int,
-                 shard_bytes: int = 256 << 20) -> None:
+                 shard_bytes: int = 256 << 20, commit_seconds: float = COMMIT_SECONDS) -> None:
         self.folder = Path(root) / SHARD_DIR
         self.folder.mkdir(parents=True, exist_ok=True)
         self.writer, self.numel = writer, numel
         self.rows_per_shard = max(1, shard_bytes // (4 * max(numel, 1)))
+        self.commit_seconds = commit_seconds
+        self._oldest: float | None = None
         self._rows: dict[int, tuple[int, np.ndarray]] = {}
         for stale in self.folder.glob(f".payloads-w{writer:05d}-*.tmp"):
             stale.unlink()  # this writer's own shard that a kill cut short
@@ -111,7 +120,10 @@ class ShardWriter:
             raise ValueError(f"payload of sample {sample} has {row.size} values, the cache "
                              f"holds {self.numel}")
         self._rows[int(sample)] = (int(check), row.copy())
-        if len(self._rows) >= self.rows_per_shard:
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+        if (len(self._rows) >= self.rows_per_shard
+                or time.monotonic() - self._oldest >= self.commit_seconds):
             self.flush()
 
     def flush(self) -> Path | None:
@@ -138,6 +150,7 @@ class ShardWriter:
         final = self.folder / name
         os.replace(tmp, final)
         self._rows.clear()
+        self._oldest = None
         return final
 
 

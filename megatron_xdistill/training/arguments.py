@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "stopped. The plan has --train-iters x --global-batch-size samples")
     g.add_argument("--teacher-cache-shard-mib", type=int, default=256,
                    help="size of the cache's shard files (each is committed atomically)")
+    g.add_argument("--teacher-cache-commit-seconds", type=float, default=120.0,
+                   help="commit queued payloads as a shard at least this often, whatever its "
+                   "size: a killed pass loses at most this much teacher work")
 
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=1)
@@ -306,6 +309,7 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
     _check(not args.teacher_cache_only or cache is not None,
            "--teacher-cache-only needs --teacher-cache DIR (where the payloads go)")
     _check(args.teacher_cache_shard_mib >= 1, "--teacher-cache-shard-mib must be >= 1")
+    _check(args.teacher_cache_commit_seconds > 0, "--teacher-cache-commit-seconds must be > 0")
     if cache is None:
         _check(args.teacher_load is not None, "--teacher-load is required (the teacher "
                "checkpoint), unless --teacher-cache holds a complete cache")

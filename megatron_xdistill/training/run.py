@@ -156,7 +156,8 @@ def _train(args) -> int:
         cache.attach(distiller.teacher_info.to_dict(), num_samples, distiller.kd.payload_numel,
                      rank, writer=distiller.has_teacher and distiller.teacher_groups.is_last_stage,
                      reader=distiller.has_student and distiller.student_groups.is_last_stage,
-                     barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20)
+                     barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20,
+                     commit_seconds=args.teacher_cache_commit_seconds)
     dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
                                   args.teacher_seq_length)
     if args.teacher_cache_only:
