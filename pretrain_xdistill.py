@@ -17,6 +17,9 @@ Run with --help for every argument.
 import sys
 
 if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep this guard
+    from megatron_xdistill.training.arguments import build_parser
+
+    build_parser().parse_args()  # --help and usage errors at once, before torch is imported
     from megatron_xdistill.training.run import main
 
     sys.exit(main())

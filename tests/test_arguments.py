@@ -148,3 +148,39 @@ def test_teacher_cache_arguments(base, tmp_path):
     with pytest.raises(ValueError, match="is complete: no teacher runs"):
         parse_args(base + ["--teacher-cache", str(cache), "--teacher-placement",
                            "disaggregated", "--teacher-ranks", "1"], world_size=2)
+
+
+def _entry(*argv: str, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-X", "importtime", str(repo / "pretrain_xdistill.py"),
+                           *argv], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def _imported(stderr: str) -> set[str]:
+    return {line.split("|")[-1].strip() for line in stderr.splitlines()
+            if line.startswith("import time:")}
+
+
+def test_help_comes_before_torch_is_imported():
+    done = _entry("--help")
+    assert done.returncode == 0 and "--teacher-tensor-model-parallel-size" in done.stdout
+    assert "torch" not in _imported(done.stderr)
+
+
+def test_argument_errors_come_before_torch_distributed(base):
+    """A bad layout is named and the process exits 2 before any process group exists (no
+    torch.distributed rendezvous: MASTER_PORT points nowhere and nothing waits on it)."""
+    done = _entry(*base, "--tensor-model-parallel-size", "3",
+                  env={"WORLD_SIZE": "4", "RANK": "0", "MASTER_PORT": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: world size 4 is not divisible by the student's TP x PP x CP = 3" in done.stderr
+    assert "megatron.core" not in _imported(done.stderr)
+    missing = _entry("--load", "x")
+    assert missing.returncode == 2 and "the following arguments are required" in missing.stderr
+    assert "torch" not in _imported(missing.stderr)

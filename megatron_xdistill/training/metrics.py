@@ -1,4 +1,10 @@
-"""Progress lines, a JSON Lines metrics file and (optionally) TensorBoard, written by rank 0."""
+"""Progress lines, a JSON Lines metrics file and (optionally) TensorBoard, written by rank 0.
+
+The metrics file is strict JSON (a value that is not a finite number, such as the KD term of a
+CE-only run, is ``null``); TensorBoard gets each value under our name and, where Megatron-LM has
+one, under Megatron-LM's tag too (``lm loss``, ``learning-rate``, ``grad-norm``, ...), so
+existing dashboards find them.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,35 @@ import math
 import os
 import time
 from collections.abc import Mapping
+
+#: our record key -> (Megatron-LM's TensorBoard tag, factor to its unit)
+MEGATRON_TAGS = {
+    "ce": ("lm loss", 1.0),
+    "eval_ce": ("lm loss validation", 1.0),
+    "lr": ("learning-rate", 1.0),
+    "grad_norm": ("grad-norm", 1.0),
+    "elapsed_ms_per_iteration": ("iteration-time", 1e-3),
+}
+
+
+def json_safe(record: Mapping) -> dict:
+    """The record with every non-finite float as None (strict JSON: null, never NaN)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()}
+
+
+def tensorboard_scalars(record: Mapping) -> dict[str, float]:
+    """TensorBoard tag -> value of a record: our names, plus Megatron-LM's where it has one."""
+    out = {}
+    for key, value in record.items():
+        if key in ("iteration", "time") or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key] = value
+            if key in MEGATRON_TAGS:
+                tag, factor = MEGATRON_TAGS[key]
+                out[tag] = value * factor
+    return out
 
 
 class MetricsWriter:
@@ -38,12 +73,11 @@ class MetricsWriter:
         record = {"time": round(time.time(), 3), **record}
         print(line if line is not None else format_line(record), flush=True)
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         if self._tb is not None:
             step = int(record.get("iteration", 0))
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key not in ("iteration", "time"):
-                    self._tb.add_scalar(key, value, step)
+            for tag, value in tensorboard_scalars(record).items():
+                self._tb.add_scalar(tag, value, step)
             self._tb.flush()
 
     def close(self) -> None:
@@ -54,8 +88,12 @@ class MetricsWriter:
 
 
 def format_line(record: Mapping) -> str:
-    """`` iteration 10/100 | kd 1.23 | ce 2.34 | lr 1.0e-04 | ...`` in Megatron's manner."""
+    """``[2026-11-25 12:00:00] iteration 10/100 | kd 1.23 | ce 2.34 | lr 1.0e-04 | ...`` in
+    Megatron's manner (the timestamp is the record's ``time``, local time)."""
     parts = []
+    stamp = ""
+    if "time" in record:
+        stamp = time.strftime("[%Y-%m-%d %H:%M:%S] ", time.localtime(record["time"]))
     for key, value in record.items():
         if key == "time":
             continue
@@ -69,7 +107,7 @@ def format_line(record: Mapping) -> str:
             parts.append(f"{key} {text}")
         else:
             parts.append(f"{key} {value}")
-    return " | ".join(parts)
+    return stamp + " | ".join(parts)
 
 
 def bits_per_byte(loss_nats_sum: float, num_bytes: int) -> float:

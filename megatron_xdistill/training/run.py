@@ -102,17 +102,22 @@ def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: returns the process exit code."""
-    mcore_compat.install()
+    """Entry point: returns the process exit code. Arguments are parsed and checked first
+    (``--help`` and every argument error come before torch.distributed or Megatron start)."""
     from megatron_xdistill.training.arguments import parse_args
 
-    pre = [a for a in (argv if argv is not None else sys.argv[1:])]
-    timeout = 10.0
-    if "--distributed-timeout-minutes" in pre:
-        timeout = float(pre[pre.index("--distributed-timeout-minutes") + 1])
-    created = init_distributed(timeout)
+    world = dist.get_world_size() if dist.is_initialized() else int(
+        os.environ.get("WORLD_SIZE", "1"))
     try:
-        return _train(parse_args(pre, dist.get_world_size()))
+        args = parse_args(list(argv) if argv is not None else sys.argv[1:], world)
+    except ValueError as exc:  # ours; argparse's own errors have exited with usage already
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    mcore_compat.install()
+    created = init_distributed(args.distributed_timeout_minutes)
+    try:
+        return _train(args)
     finally:
         if created:
             dist.destroy_process_group()
@@ -185,7 +190,7 @@ def _train(args) -> int:
     if eval_batches is not None and iteration == 0:
         writer.write({"iteration": 0, **distiller.evaluate(eval_batches)})
     last = time.perf_counter()
-    tokens_since = 0
+    tokens_since, steps_since = 0, 0
     end = args.train_iters  # where this run stops
     if args.exit_interval:
         end = min(end, (iteration // args.exit_interval + 1) * args.exit_interval)
@@ -194,16 +199,18 @@ def _train(args) -> int:
             samples = next(steps)
             metrics = distiller.train_step(samples, next_step=iteration + 1 < end)
             iteration += 1
+            steps_since += 1
             tokens_since += metrics.get("tokens", 0)  # disaggregated teacher ranks: no metrics
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 now = time.perf_counter()
                 record = {"iteration": iteration, "train_iters": args.train_iters, **metrics,
+                          "elapsed_ms_per_iteration": round(1e3 * (now - last) / steps_since, 1),
                           "tokens_per_s": round(tokens_since / (now - last), 1),
                           "consumed_samples": iteration * args.global_batch_size,
                           **distiller.times.reset()}
                 record["payload_bytes_per_token"] = round(distiller.kd.payload_bytes_per_token, 1)
                 writer.write(record)
-                last, tokens_since = now, 0
+                last, tokens_since, steps_since = now, 0, 0
             if eval_batches is not None and args.eval_interval and (
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
                 writer.write({"iteration": iteration, **distiller.evaluate(eval_batches)})

@@ -1,0 +1,44 @@
+"""The metrics file is strict JSON, the progress line carries a timestamp and the iteration
+time, and TensorBoard gets Megatron-LM's tag names beside ours."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from megatron_xdistill.training.metrics import MetricsWriter, format_line, tensorboard_scalars
+
+
+def _strict(line: str) -> dict:
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_non_finite_values_are_null_in_the_metrics_file(tmp_path, capsys):
+    path = tmp_path / "m.jsonl"
+    writer = MetricsWriter(str(path), None, enabled=True)
+    writer.write({"iteration": 3, "train_iters": 10, "kd": math.nan, "ce": 2.5,
+                  "top1_agree": math.inf, "elapsed_ms_per_iteration": 812.5})
+    writer.close()
+    record = _strict(path.read_text().splitlines()[0])
+    assert record["kd"] is None and record["top1_agree"] is None and record["ce"] == 2.5
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[20") and "] iteration 3/10 | " in line
+    assert "elapsed_ms_per_iteration 812.5000" in line
+
+
+def test_megatron_tag_names_beside_ours():
+    scalars = tensorboard_scalars({"iteration": 5, "time": 1.0, "ce": 2.0, "lr": 1e-4,
+                                   "grad_norm": 0.5, "kd": math.nan, "eval_ce": 2.2,
+                                   "elapsed_ms_per_iteration": 1500.0})
+    assert scalars["lm loss"] == 2.0 and scalars["ce"] == 2.0
+    assert scalars["learning-rate"] == 1e-4 and scalars["grad-norm"] == 0.5
+    assert scalars["lm loss validation"] == 2.2
+    assert scalars["iteration-time"] == 1.5  # seconds, as Megatron-LM logs it
+    assert "kd" not in scalars and "iteration" not in scalars and "time" not in scalars
+
+
+def test_progress_line_without_time_has_no_stamp():
+    assert format_line({"iteration": 1, "ce": 1.0}) == "iteration 1 | ce 1.0000"
