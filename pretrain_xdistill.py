@@ -17,9 +17,13 @@ Run with --help for every argument.
 import sys
 
 if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep this guard
-    from megatron_xdistill.training.arguments import build_parser
+    from megatron_xdistill.training.arguments import parse_command_line
 
-    build_parser().parse_args()  # --help and usage errors at once, before torch is imported
+    try:  # --help, usage and config errors at once, before torch is imported
+        parse_command_line(sys.argv[1:])
+    except ValueError as exc:
+        print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     from megatron_xdistill.training.run import main
 
     sys.exit(main())

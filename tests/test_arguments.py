@@ -184,3 +184,64 @@ def test_argument_errors_come_before_torch_distributed(base):
     missing = _entry("--load", "x")
     assert missing.returncode == 2 and "the following arguments are required" in missing.stderr
     assert "torch" not in _imported(missing.stderr)
+
+
+def _yaml(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_file_equals_the_flag_form(base, tmp_path):
+    """--config run.yaml (flag names, a teacher group, a list, an on/off flag, an
+    interpolation) plus dotted overrides parses to exactly the flags' namespace."""
+    value = dict(zip(base[::2], base[1::2]))
+    at = base.index("--data-path") + 1
+    flags = [*base[:at], "0.7", *base[at:], "--teacher-tensor-model-parallel-size", "2", "--kd-loss", "gold",
+             "--kd-temperature", "2.0", "--ce-weight", "0.5", "--kd-reverse", "--lr", "3e-4",
+             "--min-lr", "3e-5"]
+    config = _yaml(tmp_path, f"""
+load: {value['--load']}
+teacher:
+  load: {value['--teacher-load']}
+  tokenizer_model: {value['--teacher-tokenizer-model']}
+  tensor-model-parallel-size: 2
+tokenizer_model: {value['--tokenizer-model']}
+data_path: [0.7, {value['--data-path']}]
+seq_length: 64
+micro_batch_size: 1
+global_batch_size: 8
+train_iters: 3
+lr: 1.0e-3
+min_lr: ${{lr}}
+kd_loss: gold
+kd_temperature: 2
+kd_reverse: true
+""")
+    got = parse_args(["--config", config, "lr=3e-4", "min_lr=3e-5", "ce_weight=0.5"], 4)
+    want = parse_args(flags, 4)
+    assert got.config == config and want.config is None
+    assert {k: v for k, v in vars(got).items() if k != "config"} == \
+        {k: v for k, v in vars(want).items() if k != "config"}
+
+
+def test_flags_win_over_the_config(base, tmp_path):
+    config = _yaml(tmp_path, "lr: 1.0e-3\ntrain_iters: 50\n")
+    args = parse_args(["--config", config, *base, "--lr", "2e-4", "train_iters=7",
+                       "--train-iters", "9"], 4)
+    assert args.lr == 2e-4 and args.train_iters == 9
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("learning_rate: 1.0\n", [], "unknown key 'learning_rate' (no --learning-rate argument"),
+    ("teacher: {lod: x}\n", [], "unknown key 'teacher_lod'"),
+    ("seq_length: long\n", [], "--seq-length got 'long'"),
+    ("kd_loss: xkl\n", [], "--kd-loss must be one of ['pkl', 'gold', 'hkl']"),
+    ("kd_reverse: 3\n", [], "--kd-reverse is on/off"),
+    ("lr: 1.0\n", ["lr=fast"], "--lr got 'fast'"),
+])
+def test_config_errors_name_the_file_and_the_key(base, tmp_path, text, overrides, message):
+    config = _yaml(tmp_path, text)
+    with pytest.raises(ValueError, match="--config .*run.yaml") as err:
+        parse_args(["--config", config, *base, *overrides], 4)
+    assert message in str(err.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 
 from megatron_xdistill.parallel.placement import PLACEMENTS, Placement
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(run with torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--config", default=None, metavar="RUN.yaml",
+                   help="YAML file of these arguments (keys: the flag names, grouped or not: "
+                   "teacher: {load: ...}), followed by dotted key=value overrides; flags given "
+                   "on the command line win")
     _parallel(p, "", "student")
     _parallel(p, "teacher-", "teacher")
     g = p.add_argument_group("teacher placement")
@@ -71,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) once the iteration is a multiple of this")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (what schedulers send before killing a job), save a "
+                   "checkpoint after the current step and exit 0; rerun the command to resume")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save a checkpoint and exit 0 once the run has been going this long "
+                   "(set it below the allocation's time limit)")
 
     g = p.add_argument_group("tokenizers and projection")
     g.add_argument("--tokenizer-model", required=True, help="student HF tokenizer directory")
@@ -310,6 +321,8 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
            "--teacher-cache-only needs --teacher-cache DIR (where the payloads go)")
     _check(args.teacher_cache_shard_mib >= 1, "--teacher-cache-shard-mib must be >= 1")
     _check(args.teacher_cache_commit_seconds > 0, "--teacher-cache-commit-seconds must be > 0")
+    _check(args.exit_duration_in_mins is None or args.exit_duration_in_mins >= 0,
+           "--exit-duration-in-mins must be >= 0")
     if cache is None:
         _check(args.teacher_load is not None, "--teacher-load is required (the teacher "
                "checkpoint), unless --teacher-cache holds a complete cache")
@@ -330,7 +343,108 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
            "--teacher-cache-only: every rank serves the teacher; drop --teacher-placement")
 
 
+def _flatten(node, prefix: str = "") -> dict[str, object]:
+    """``{"teacher": {"load": x}, "lr": y}`` -> ``{"teacher_load": x, "lr": y}`` (a YAML group
+    is the flags' prefix; dashes may be used for underscores)."""
+    out: dict[str, object] = {}
+    for key, value in node.items():
+        name = f"{prefix}{str(key).replace('-', '_')}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "_"))
+        else:
+            out[name] = value
+    return out
+
+
+def _typed(action: argparse.Action, value, where: str):
+    """A config value as the flag would have given it (the flag's type on strings and list
+    items; booleans only for on/off flags)."""
+    flag = action.option_strings[0]
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {flag} is on/off: true or false, got {value!r}")
+        return value
+
+    def one(item):
+        if item is None:
+            return item
+        if action.type is None:  # the flag form gives text: a YAML 0.7 (a data weight) too
+            return item if isinstance(item, str) else str(item)
+        if not isinstance(item, str):
+            return float(item) if action.type is float and isinstance(item, int) else item
+        try:
+            return action.type(item)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {flag} got {item!r}: {exc}") from exc
+
+    if action.nargs in ("+", "*") or isinstance(action.nargs, int):
+        return [one(v) for v in (value if isinstance(value, list) else [value])]
+    if isinstance(value, list):
+        raise ValueError(f"{where}: {flag} takes one value, got a list")
+    value = one(value)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: {flag} must be one of {list(action.choices)}, got {value!r}")
+    return value
+
+
+def apply_config(parser: argparse.ArgumentParser, path: str, overrides: Sequence[str]) -> None:
+    """Make a YAML file plus dotted ``key=value`` overrides the parser's defaults (OmegaConf,
+    interpolations resolved), so that flags on the command line still win. Keys are the flags'
+    names (``tensor_model_parallel_size`` or ``tensor-model-parallel-size``), grouped or not
+    (``teacher: {load: ...}`` = ``teacher_load``); an unknown key is an error naming it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
+        values = _flatten(OmegaConf.to_container(cfg, resolve=True) or {})
+    except (OmegaConfBaseException, OSError, ValueError) as exc:
+        raise ValueError(f"--config {path}: {exc}") from exc
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    defaults = {}
+    for key, value in values.items():
+        action = actions.get(key)
+        if action is None or key in ("config", "help"):
+            raise ValueError(f"--config {path}: unknown key {key!r} (no --{key.replace('_', '-')}"
+                             f" argument; pretrain_xdistill.py --help lists them)")
+        defaults[key] = _typed(action, value, f"--config {path}")
+        action.required = False  # given by the file; a flag may still override it
+    parser.set_defaults(**defaults)
+
+
+def parse_command_line(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments, not yet validated: ``--config run.yaml [key=value ...]`` (OmegaConf, as
+    NeMo-RL / Megatron-Bridge runs are written) gives defaults for every flag, and flags given
+    on the command line win. Argparse errors exit with usage; a bad config raises ValueError."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    known, rest = pre.parse_known_args(argv)
+    if known.config is None:
+        return parser.parse_args(argv)
+    overrides, flags = [], []
+    for i, token in enumerate(rest):
+        value_of_flag = i > 0 and _takes_value(parser, rest[i - 1])
+        is_override = "=" in token and not token.startswith("-") and not value_of_flag
+        (overrides if is_override else flags).append(token)
+    apply_config(parser, known.config, overrides)
+    args = parser.parse_args(flags)
+    args.config = known.config
+    return args
+
+
 def parse_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
-    """Parse and validate; argparse errors exit with usage, ours raise ValueError."""
-    args = build_parser().parse_args(argv)
-    return validate_args(args, world_size)
+    """Parse (:func:`parse_command_line`) and validate; ours raise ValueError."""
+    return validate_args(parse_command_line(argv), world_size)
+
+
+def _takes_value(parser: argparse.ArgumentParser, token: str) -> bool:
+    """Whether ``token`` is a flag that consumes the next token (so ``k=v`` after it is its
+    value, not an override)."""
+    for action in parser._actions:
+        if token in action.option_strings:
+            return action.nargs != 0
+    return False

@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (``--help`` and every argument error come before torch.distributed or Megatron start)."""
     from megatron_xdistill.training.arguments import parse_args
 
+    started = time.monotonic()
     world = dist.get_world_size() if dist.is_initialized() else int(
         os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -117,18 +118,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     mcore_compat.install()
     created = init_distributed(args.distributed_timeout_minutes)
     try:
-        return _train(args)
+        return _train(args, started)
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def _train(args) -> int:
+def _train(args, started: float) -> int:
     from megatron_xdistill.align import TokenAligner, load_tokenizer
     from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
     from megatron_xdistill.training.distiller import Distiller, is_training_checkpoint
     from megatron_xdistill.training.metrics import MetricsWriter
+    from megatron_xdistill.training.preemption import StopRequest
     from megatron_xdistill.training.teacher_cache_run import (
         fill_teacher_cache,
         open_teacher_cache,
@@ -194,10 +196,13 @@ def _train(args) -> int:
     end = args.train_iters  # where this run stops
     if args.exit_interval:
         end = min(end, (iteration // args.exit_interval + 1) * args.exit_interval)
+    stopper = StopRequest(args.exit_signal_handler, args.exit_duration_in_mins, started, _log)
     try:
         while iteration < args.train_iters:
+            stop = stopper.agreed()  # every rank stops after the same step (the teacher's too)
             samples = next(steps)
-            metrics = distiller.train_step(samples, next_step=iteration + 1 < end)
+            metrics = distiller.train_step(samples,
+                                           next_step=iteration + 1 < end and stop is None)
             iteration += 1
             steps_since += 1
             tokens_since += metrics.get("tokens", 0)  # disaggregated teacher ranks: no metrics
@@ -221,10 +226,15 @@ def _train(args) -> int:
             if args.exit_interval and iteration % args.exit_interval == 0:
                 _log(f"> exiting at iteration {iteration} (--exit-interval)")
                 break
+            if stop is not None:
+                _log(f"> {stop}: exiting at iteration {iteration}"
+                     + ("" if args.save else " (no --save: nothing is saved)"))
+                break
         distiller.finish()
         if cache is not None:
             cache.close(rank, dist.barrier, log=_log)
     finally:
+        stopper.close()
         writer.close()
         distiller.close()
     if args.save and (not args.save_interval or iteration % args.save_interval):
