@@ -154,3 +154,58 @@ def test_a_killed_rank_ends_the_job_and_the_rerun_resumes_exactly(e2e_setup, uni
         assert got[step][0] == pytest.approx(kd, rel=1e-5), f"{name} step {step} kd"
         assert got[step][1] == pytest.approx(ce, rel=1e-5), f"{name} step {step} ce"
     assert not list((root / name).glob("iter_*.tmp")), "a leftover partial save"
+
+
+def _latest(save: Path) -> int:
+    tracker = save / "latest_checkpointed_iteration.txt"
+    return int(tracker.read_text()) if tracker.is_file() else 0
+
+
+def test_preemption_saves_and_exits_then_the_rerun_resumes_exactly(e2e_setup, uninterrupted,
+                                                                    tmp_path):
+    """--exit-duration-in-mins 0 stops after the first step with a checkpoint; then SIGTERM
+    (as a scheduler sends it, to every worker) under --exit-signal-handler stops the next run
+    after its current step with a checkpoint and exit 0; a third run finishes. Every step's
+    losses equal the uninterrupted run's (no periodic saves: --save-interval 100)."""
+    root, s_tok, t_tok = e2e_setup
+    name = "preempted"
+    save = root / name
+    base = _command(root, s_tok, t_tok, name, 2, ["--save-interval", "100"])
+
+    done = subprocess.run([*base, "--exit-duration-in-mins", "0"], env=_env(), cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "--exit-duration-in-mins reached: exiting at iteration 1" in done.stdout
+    assert _latest(save) == 1
+
+    log = tmp_path / "signal.log"
+    with open(log, "w") as out:
+        job = subprocess.Popen([*base, "--exit-signal-handler"], env=_env(), cwd=REPO,
+                               stdout=out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and job.poll() is None:
+            if max(_losses_by_step(root, name), default=0) >= 3:
+                break
+            time.sleep(0.05)
+        assert job.poll() is None, "the run ended before SIGTERM:\n" + log.read_text()[-3000:]
+        for rank in (0, 1):
+            pid = _rank_pid(job.pid, rank)
+            assert pid is not None, f"no worker with RANK={rank} under torchrun {job.pid}"
+            os.kill(pid, signal.SIGTERM)
+        try:
+            code = job.wait(timeout=EXIT_BOUND_S)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            pytest.fail("the run did not exit after SIGTERM:\n" + log.read_text()[-3000:])
+    output = log.read_text()
+    assert code == 0, output[-3000:]
+    assert "SIGTERM received (--exit-signal-handler): exiting at iteration" in output
+    stopped = _latest(save)
+    assert 3 <= stopped < STEPS, output[-3000:]
+
+    _run(base)  # resumes from the checkpoint the signal left, and finishes
+    got = _losses_by_step(root, name)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, (kd, ce) in uninterrupted.items():
+        assert got[step][0] == pytest.approx(kd, rel=1e-5), f"step {step} kd"
+        assert got[step][1] == pytest.approx(ce, rel=1e-5), f"step {step} ce"
