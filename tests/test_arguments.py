@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 
 from megatron_xdistill.training.arguments import parse_args
 
@@ -245,3 +248,39 @@ def test_config_errors_name_the_file_and_the_key(base, tmp_path, text, overrides
     with pytest.raises(ValueError, match="--config .*run.yaml") as err:
         parse_args(["--config", config, *base, *overrides], 4)
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("style, formula", [
+    ("linear", lambda r: 1.0 - r),
+    ("cosine", lambda r: 0.5 * (math.cos(math.pi * r) + 1.0)),
+    ("exponential", lambda r: 2.0 * 0.5 ** r - 1.0),
+])
+def test_wsd_and_warmup_fraction_follow_megatron_lm(base, style, formula):
+    """--lr-decay-style WSD with --lr-warmup-fraction: linear warmup from --lr-warmup-init over
+    10% of 20 iterations, stable, then the WSD decay over the last 5 (closed form here)."""
+    from megatron_xdistill.training.lr_schedule import build_lr_scheduler
+
+    at = base.index("--train-iters")
+    argv = [*base[:at], *base[at + 2:], "--train-iters", "20", "--lr", "1.0", "--min-lr", "0.1",
+            "--lr-decay-style", "WSD", "--lr-wsd-decay-style", style, "--lr-wsd-decay-iters",
+            "5", "--lr-warmup-fraction", "0.1", "--lr-warmup-init", "0.2"]
+    args = parse_args(argv, 4)
+    assert args.lr_warmup_iters == 2
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = build_lr_scheduler(optimizer, args)
+    for step in range(1, 21):
+        scheduler.step(1)
+        if step <= 2:
+            want = 0.2 + (1.0 - 0.2) * step / 2
+        elif step <= 15:
+            want = 1.0
+        else:
+            want = 0.1 + 0.9 * formula((step - 15) / 5)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(want), f"step {step}"
+
+
+def test_wsd_needs_its_decay_length(base):
+    with pytest.raises(ValueError, match="--lr-decay-style WSD needs --lr-wsd-decay-iters"):
+        parse_args([*base, "--lr-decay-style", "WSD"], 4)
+    with pytest.raises(ValueError, match="not both"):
+        parse_args([*base, "--lr-warmup-iters", "1", "--lr-warmup-fraction", "0.1"], 4)

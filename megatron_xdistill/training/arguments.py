@@ -113,8 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-decay-style", default="cosine",
+                   choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"))
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   help="WSD: the decay over the last --lr-wsd-decay-iters")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="WSD: iterations of the final decay (the rest after warmup is stable)")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay length (instead of --lr-warmup-iters)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="learning rate at the start of the warmup")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="default: --train-iters")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
@@ -259,6 +269,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check(args.kd_temperature > 0, "--kd-temperature must be > 0")
     _check(args.kd_topk >= 0, "--kd-topk must be >= 0 (0 = full teacher vocabulary)")
     _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")
+    if args.lr_warmup_fraction is not None:
+        _check(args.lr_warmup_iters == 0,
+               "give --lr-warmup-iters or --lr-warmup-fraction, not both")
+        _check(0 <= args.lr_warmup_fraction < 1, "--lr-warmup-fraction must be in [0, 1)")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_style == "WSD":
+        _check(args.lr_wsd_decay_iters is not None
+               and 0 < args.lr_wsd_decay_iters <= args.lr_decay_iters - args.lr_warmup_iters,
+               "--lr-decay-style WSD needs --lr-wsd-decay-iters N with 0 < N <= decay length "
+               f"- warmup ({args.lr_decay_iters} - {args.lr_warmup_iters})")
     _check(0 <= args.lr_warmup_iters < args.lr_decay_iters,
            f"--lr-warmup-iters {args.lr_warmup_iters} must be >= 0 and smaller than the decay "
            f"length ({args.lr_decay_iters}: --lr-decay-iters, default --train-iters)")

@@ -41,7 +41,6 @@ from megatron.core.distributed import (  # noqa: E402
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
@@ -56,6 +55,7 @@ from megatron_xdistill.parallel.layout import (  # noqa: E402
 )
 from megatron_xdistill.parallel.placement import Placement  # noqa: E402
 from megatron_xdistill.training import arguments, kd_adapter  # noqa: E402
+from megatron_xdistill.training.lr_schedule import build_lr_scheduler  # noqa: E402
 from megatron_xdistill.transport.hybrid import (  # noqa: E402
     RoutedStream,
     RoutedTransport,
@@ -320,13 +320,7 @@ class Distiller:
             use_gloo_process_groups=False,  # with a pg_collection Megatron needs this off
             pg_collection=self.student_groups.pg_collection,
         )
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
-            min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-            lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
-            start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
-            wd_incr_style="constant",
-        )
+        self.scheduler = build_lr_scheduler(self.optimizer, args)
 
     # ------------------------------------------------------------------ construction
     def _build(self, models_api, info, groups: ModelParallelGroups, dtype, seed: int,
