@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
         "train-iters": args.train_iters, "lr": "3e-5", "lr-warmup-iters": 2,
         "kd-loss": "pkl", "kd-topk": 64, "kd-weight": "1.0", "ce-weight": "0.1",
-        "eval-interval": args.train_iters, "eval-iters": 8,
+        "eval-interval": args.train_iters, "eval-iters": 4,
         "log-interval": 1, "metrics-file": metrics, "num-workers": 1,
         "data-cache-path": work / "data_cache", "save": run_dir / "ckpt"})
     run_command(cmd, _say, env=cpu_env(1))

@@ -560,8 +560,8 @@ def write_report(results: dict, out: Path) -> Path:
               "H-KL are different quantities; compare each with itself).", "",
               f"![held-out bpb during training]({files[1]})", "",
               f"Held-out bits per byte measured by the training loop itself every "
-              f"{t['eval_interval']} steps (`--eval-interval`, {t['eval_iters']} micro-batches "
-              "per data-parallel rank of packed held-out samples: fewer bytes than the table "
+              f"{t['eval_interval']} steps (`--eval-interval`, {t['eval_iters']} global "
+              "batches of packed held-out samples: fewer bytes than the table "
               "above, which is the number to quote).", "",
               "## Settings", "",
               "| | |", "|---|---|",

@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=4)
+    g.add_argument("--eval-iters", type=int, default=4,
+                   help="global batches of --valid-data-path per evaluation (as in Megatron-LM)")
     g.add_argument("--metrics-file", default=None, help="JSON Lines file of logged metrics")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)

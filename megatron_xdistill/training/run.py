@@ -178,7 +178,7 @@ def _train(args, started: float) -> int:
 
     eval_batches = None
     if args.valid_data_path:
-        n_eval = args.eval_iters * args.micro_batch_size * distiller.student_layout.dp
+        n_eval = args.eval_iters * args.global_batch_size  # Megatron-LM: global batches
         v_docs, v_plan = _plan(args, args.valid_data_path, aligner, n_eval, "valid")
         v_set = DistillationDataset(v_docs, v_plan, aligner, args.seq_length,
                                     args.teacher_seq_length)
