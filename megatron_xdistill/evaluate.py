@@ -1,7 +1,7 @@
 """Bits per byte of a causal LM on text files: one scale for models with different tokenizers.
 
-    python -m megatron_xdistill.evaluate --load CKPT --data held_out.jsonl [--tokenizer DIR]
-    python -m megatron_xdistill.evaluate --hf-dir DIR --data held_out.jsonl
+    python -m megatron_xdistill.evaluate --load CKPT --data-path held_out.jsonl [--tokenizer DIR]
+    python -m megatron_xdistill.evaluate --hf-dir DIR --data-path held_out.jsonl
 
 ``--load`` takes a converted checkpoint (``xdistill-convert hf-to-mcore``) or a training run
 (its latest iteration) and runs the Megatron GPTModel in one process on the CPU (fp32, gloo);
@@ -232,7 +232,7 @@ def _tokenizer_dir(load: str | None, hf_dir: str | None, tokenizer: str | None) 
 
     found = hf_files_dir(load)
     if found is None or not os.path.isfile(os.path.join(found, "tokenizer_config.json")):
-        raise ValueError(f"{load} carries no tokenizer files (hf_files/); pass --tokenizer DIR "
+        raise ValueError(f"{load} carries no tokenizer files (hf_files/); pass --tokenizer-model DIR "
                          "(the model's HF tokenizer directory)")
     return found
 
@@ -273,10 +273,10 @@ def _parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--load", help="Megatron checkpoint: converted model or training run")
     which.add_argument("--hf-dir", help="Hugging Face model folder")
-    p.add_argument("--data", nargs="+", required=True,
+    p.add_argument("--data-path", "--data", dest="data", nargs="+", required=True,
                    help="text files: .jsonl/.parquet/.arrow (field --text-field) or .txt")
     p.add_argument("--text-field", default="text")
-    p.add_argument("--tokenizer", default=None,
+    p.add_argument("--tokenizer-model", "--tokenizer", dest="tokenizer", default=None,
                    help="HF tokenizer directory (default: the checkpoint's hf_files/ or --hf-dir)")
     p.add_argument("--seq-length", type=int, default=512, help="predictions per window")
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per forward")

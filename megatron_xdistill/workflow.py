@@ -79,7 +79,7 @@ def build_projection(student: str, teacher: str, student_hf: Path, teacher_hf: P
         log(f"projection cached at {out}")
     else:
         run_command([sys.executable, "-m", "megatron_xdistill.projection.cli", "build",
-                     "--student-tokenizer", student_hf, "--teacher-tokenizer", teacher_hf,
+                     "--tokenizer-model", student_hf, "--teacher-tokenizer-model", teacher_hf,
                      "--out", out], log)
     return out
 

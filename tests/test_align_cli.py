@@ -15,7 +15,7 @@ from megatron_xdistill.align.cli import main
 pytestmark = needs_shared_assets
 STUDENT = str(ASSETS / "tokenizers" / "smollm2")
 TEACHER = str(ASSETS / "tokenizers" / "mistral")
-PAIR = ["--student-tokenizer", STUDENT, "--teacher-tokenizer", TEACHER]
+PAIR = ["--tokenizer-model", STUDENT, "--teacher-tokenizer-model", TEACHER]
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_dump_writes_ids_and_chunks(data: Path, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     out = tmp_path / "out.jsonl"
-    assert main(["dump", *PAIR, "--data", str(data), "--out", str(out)]) == 0
+    assert main(["dump", *PAIR, "--data-path", str(data), "--out", str(out)]) == 0
     recs = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["id"] for r in recs] == ["a", 7, 2]
     s_tok = AutoTokenizer.from_pretrained(STUDENT)
@@ -61,12 +61,12 @@ def test_dump_writes_ids_and_chunks(data: Path, tmp_path: Path) -> None:
     assert all(c[4] for c in recs[0]["chunks"])
 
     few = tmp_path / "few.jsonl"
-    assert main(["dump", *PAIR, "--data", str(data), "--max-docs", "1", "--out", str(few)]) == 0
+    assert main(["dump", *PAIR, "--data-path", str(data), "--max-docs", "1", "--out", str(few)]) == 0
     assert len(few.read_text().splitlines()) == 1
 
 
 def test_stats_prints_coverage_and_throughput(data: Path, capsys) -> None:
-    assert main(["stats", *PAIR, "--data", str(data), "--method", "dp"]) == 0
+    assert main(["stats", *PAIR, "--data-path", str(data), "--method", "dp"]) == 0
     out = capsys.readouterr().out
     assert "characters in exact chunks 100.000%" in out
     assert "1:1" in out and "tokens/s" in out
@@ -75,23 +75,23 @@ def test_stats_prints_coverage_and_throughput(data: Path, capsys) -> None:
 
 def test_errors_are_clear(data: Path, tmp_path: Path, capsys) -> None:
     missing = str(tmp_path / "nope")
-    assert main(["show", "--student-tokenizer", missing, "--teacher-tokenizer", TEACHER,
+    assert main(["show", "--tokenizer-model", missing, "--teacher-tokenizer-model", TEACHER,
                  "--text", "x"]) == 2
     assert "nope' does not exist" in capsys.readouterr().err
 
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n{"text": "\\ud800"}\n{"body": 1}\n'
                     b'{"text": "fine"}\n')
-    assert main(["stats", *PAIR, "--data", str(bad)]) == 2
+    assert main(["stats", *PAIR, "--data-path", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"{bad}:2: not valid UTF-8" in err and "--on-bad-line skip" in err
 
-    assert main(["stats", *PAIR, "--data", str(bad), "--on-bad-line", "skip"]) == 0
+    assert main(["stats", *PAIR, "--data-path", str(bad), "--on-bad-line", "skip"]) == 0
     cap = capsys.readouterr()
     assert "documents          2" in cap.out
     assert ":3: text holds a lone surrogate" in cap.err and ":4: expected an object" in cap.err
 
-    assert main(["stats", *PAIR, "--data", str(tmp_path / "none.jsonl")]) == 2
+    assert main(["stats", *PAIR, "--data-path", str(tmp_path / "none.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["dump", *PAIR, "--data", str(data), "--out", str(tmp_path / "x" / "o")]) == 2
+    assert main(["dump", *PAIR, "--data-path", str(data), "--out", str(tmp_path / "x" / "o")]) == 2
     assert "output directory" in capsys.readouterr().err

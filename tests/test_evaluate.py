@@ -108,7 +108,7 @@ def test_training_run_checkpoint(tiny):
     run = ev.evaluate([str(tiny / "docs.jsonl")], load=root, tokenizer=tok, seq_length=64)
     converted = ev.evaluate([str(tiny / "docs.jsonl")], load=str(tiny / "ckpt"), seq_length=64)
     assert run.bits_per_byte == pytest.approx(converted.bits_per_byte, rel=1e-6)
-    with pytest.raises(ValueError, match="--tokenizer"):
+    with pytest.raises(ValueError, match="--tokenizer-model"):
         ev.evaluate([str(tiny / "docs.jsonl")], load=root)
 
 
@@ -141,11 +141,11 @@ def test_start_token_rule():
 
 def test_cli(tiny, tmp_path, capsys):
     out = tmp_path / "result.json"
-    assert ev.main(["--load", str(tiny / "ckpt"), "--data", str(tiny / "docs.jsonl"),
+    assert ev.main(["--load", str(tiny / "ckpt"), "--data-path", str(tiny / "docs.jsonl"),
                     "--max-docs", "2", "--max-chars", "40", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["documents"] == 2 and result["bytes"] == sum(
         len(t[:40].encode()) for t in TEXTS[:2])
     assert "bits/byte" in capsys.readouterr().out
-    assert ev.main(["--hf-dir", str(tiny / "hf"), "--data", str(tmp_path / "missing.jsonl")]) == 2
+    assert ev.main(["--hf-dir", str(tiny / "hf"), "--data-path", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err

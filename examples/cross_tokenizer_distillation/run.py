@@ -136,7 +136,7 @@ def train_variant(cfg, name: str, models: ModelPair, data: dict, work: Path) -> 
 # --------------------------------------------------------------------------- evaluation
 def _eval_args(cfg, data: dict) -> list[str]:
     e = cfg.eval
-    args = ["--data", str(data["valid"]), "--seq-length", str(e.seq_length),
+    args = ["--data-path", str(data["valid"]), "--seq-length", str(e.seq_length),
             "--micro-batch-size", str(e.micro_batch_size)]
     if e.max_docs is not None:
         args += ["--max-docs", str(e.max_docs)]
@@ -148,7 +148,7 @@ def _eval_args(cfg, data: dict) -> list[str]:
 def evaluate_model(cfg, label: str, model_args: list[str], data: dict, work: Path,
                    model_stamp: str) -> dict:
     """``python -m megatron_xdistill.evaluate`` on the held-out split (cached by settings).
-    ``model_args``: ``["--load", CKPT, "--tokenizer", DIR]`` or ``["--hf-dir", DIR]``."""
+    ``model_args``: ``["--load", CKPT, "--tokenizer-model", DIR]`` or ``["--hf-dir", DIR]``."""
     args = [*model_args, *_eval_args(cfg, data)]
     key = _digest([args, model_stamp])
     out = work / "eval" / f"{label}.json"
@@ -253,7 +253,7 @@ def run_comparison(cfg, print_table: bool = True) -> dict:
 
     stage(4, total, "held-out bits per byte (python -m megatron_xdistill.evaluate)")
     t = time.time()
-    student_tok = ["--tokenizer", str(models.student_hf)]
+    student_tok = ["--tokenizer-model", str(models.student_hf)]
     evals = {BEFORE: evaluate_model(cfg, BEFORE, ["--load", str(models.student_ckpt),
                                                   *student_tok], data, work,
                                     str(models.student_ckpt))}
@@ -262,7 +262,7 @@ def run_comparison(cfg, print_table: bool = True) -> dict:
                                      data, work, _run_stamp(run["ckpt"]))
     if cfg.eval.teacher:
         evals[TEACHER] = evaluate_model(
-            cfg, TEACHER, ["--load", str(models.teacher_ckpt), "--tokenizer",
+            cfg, TEACHER, ["--load", str(models.teacher_ckpt), "--tokenizer-model",
                            str(models.teacher_hf)], data, work, str(models.teacher_ckpt))
     timings["evaluation"] = time.time() - t
 

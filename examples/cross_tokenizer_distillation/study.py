@@ -239,7 +239,7 @@ def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
              stamp: str, known: dict | None = None) -> dict:
     """Held-out bits per byte (``megatron_xdistill.evaluate``; cached by model and settings,
     also across machines through ``known``: the same evaluation in the published results)."""
-    args = [*model_args, "--data", str(heldout), "--seq-length", str(cfg.eval.seq_length),
+    args = [*model_args, "--data-path", str(heldout), "--seq-length", str(cfg.eval.seq_length),
             "--micro-batch-size", str(cfg.eval.micro_batch_size), "--max-chars",
             str(cfg.eval.max_chars)]
     key = _digest([args, stamp])
@@ -314,7 +314,7 @@ def run_study(cfg) -> dict:
     first = pairs[cfg.seeds[0]]
     for name in heldouts:  # the teacher, and each seed's student before training
         evals[f"teacher/{name}"] = evaluate(
-            cfg, work, f"teacher-{name}", ["--load", str(first.teacher_ckpt), "--tokenizer",
+            cfg, work, f"teacher-{name}", ["--load", str(first.teacher_ckpt), "--tokenizer-model",
                                            str(first.teacher_hf)], data[name], "teacher",
             evals.get(f"teacher/{name}"))
     for seed in cfg.seeds:  # seed-major: every variant of seed 1 first (early paired results)
@@ -322,7 +322,7 @@ def run_study(cfg) -> dict:
         for name in heldouts:
             evals[f"before-s{seed}/{name}"] = evaluate(
                 cfg, work, f"before-s{seed}-{name}",
-                ["--load", str(pair.student_ckpt), "--tokenizer", str(pair.student_hf)],
+                ["--load", str(pair.student_ckpt), "--tokenizer-model", str(pair.student_hf)],
                 data[name], f"before:{pair.student_ckpt}", evals.get(f"before-s{seed}/{name}"))
         for variant in cfg.variants_to_run:
             key = f"{variant}-s{seed}"

@@ -1,8 +1,8 @@
 """``xdistill-align``: look at, dump and measure token alignments between two tokenizers.
 
-  xdistill-align show  --student-tokenizer DIR --teacher-tokenizer DIR --text "..."
-  xdistill-align dump  --student-tokenizer DIR --teacher-tokenizer DIR --data F.jsonl --out O.jsonl
-  xdistill-align stats --student-tokenizer DIR --teacher-tokenizer DIR --data F.jsonl
+  xdistill-align show  --tokenizer-model DIR --teacher-tokenizer-model DIR --text "..."
+  xdistill-align dump  --tokenizer-model DIR --teacher-tokenizer-model DIR --data-path F.jsonl --out O.jsonl
+  xdistill-align stats --tokenizer-model DIR --teacher-tokenizer-model DIR --data-path F.jsonl
 """
 
 from __future__ import annotations
@@ -112,12 +112,16 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="xdistill-align", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--student-tokenizer", required=True, help="HF tokenizer directory")
-    common.add_argument("--teacher-tokenizer", required=True, help="HF tokenizer directory")
+    common.add_argument("--tokenizer-model", "--student-tokenizer", dest="student_tokenizer",
+                        required=True, help="student HF tokenizer directory")
+    common.add_argument("--teacher-tokenizer-model", "--teacher-tokenizer",
+                        dest="teacher_tokenizer", required=True,
+                        help="teacher HF tokenizer directory")
     common.add_argument("--method", choices=METHODS, default="offsets",
                         help="offsets: fast path from character offsets; dp: from token bytes")
     data = argparse.ArgumentParser(add_help=False)
-    data.add_argument("--data", required=True, help="JSON Lines file, one document per line")
+    data.add_argument("--data-path", "--data", dest="data", required=True,
+                      help="JSON Lines file, one document per line")
     data.add_argument("--text-field", default="text")
     data.add_argument("--max-docs", type=int, default=None)
     data.add_argument("--batch-size", type=int, default=64)

@@ -169,7 +169,7 @@ def copy_hf_files(source: str, ckpt_dir: str) -> list[str]:
 def keep_hf_files(run_root: str, *sources: str | None) -> str | None:
     """Give a training run ``run_root/hf_files`` (once) from the first source that has them (a
     checkpoint with ``hf_files/`` or an HF folder), so evaluating or exporting the run needs no
-    ``--tokenizer`` / ``--hf-template``. Written to a temporary folder, then renamed."""
+    ``--tokenizer-model`` / ``--hf-template``. Written to a temporary folder, then renamed."""
     target = os.path.join(run_root, HF_FILES_DIR)
     if os.path.isdir(target):
         return target

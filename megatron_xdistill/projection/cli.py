@@ -1,9 +1,9 @@
 """``xdistill-projection``: build, inspect and convert projection files (W) for a tokenizer pair.
 
-xdistill-projection build --student-tokenizer DIR --teacher-tokenizer DIR [--top-k 4]
+xdistill-projection build --tokenizer-model DIR --teacher-tokenizer-model DIR [--top-k 4]
     [--reverse-pass] [--special-tokens] --out FILE.safetensors
-xdistill-projection inspect FILE [--student-tokenizer DIR --teacher-tokenizer DIR] [--examples 30]
-xdistill-projection convert-nemo-rl IN.pt --student-tokenizer DIR --teacher-tokenizer DIR
+xdistill-projection inspect FILE [--tokenizer-model DIR --teacher-tokenizer-model DIR] [--examples 30]
+xdistill-projection convert-nemo-rl IN.pt --tokenizer-model DIR --teacher-tokenizer-model DIR
     --out FILE.safetensors
 """
 
@@ -26,8 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build W for a tokenizer pair and write it")
-    b.add_argument("--student-tokenizer", required=True, help="HF tokenizer directory")
-    b.add_argument("--teacher-tokenizer", required=True, help="HF tokenizer directory")
+    b.add_argument("--tokenizer-model", "--student-tokenizer", dest="student_tokenizer",
+                   required=True, help="student HF tokenizer directory")
+    b.add_argument("--teacher-tokenizer-model", "--teacher-tokenizer",
+                   dest="teacher_tokenizer", required=True, help="teacher HF tokenizer directory")
     b.add_argument("--top-k", type=int, default=4, help="entries kept per student row (4)")
     b.add_argument("--reverse-pass", action="store_true", help="add teacher->student entries")
     b.add_argument("--special-tokens", action="store_true", help="map BOS/EOS/pad/chat markers")
@@ -40,16 +42,20 @@ def _parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="print coverage and sample rows of a projection file")
     i.add_argument("file", help="projection .safetensors (or NeMo-RL .pt) file")
-    i.add_argument("--student-tokenizer", help="show rows as text and check the vocab hash")
-    i.add_argument("--teacher-tokenizer", help="show rows as text and check the vocab hash")
+    i.add_argument("--tokenizer-model", "--student-tokenizer", dest="student_tokenizer",
+                   help="show rows as text and check the vocab hash")
+    i.add_argument("--teacher-tokenizer-model", "--teacher-tokenizer",
+                   dest="teacher_tokenizer", help="show rows as text and check the vocab hash")
     i.add_argument("--examples", type=int, default=30, help="sample rows to print (30)")
     i.add_argument("--rows", type=int, nargs="*", default=[], help="also print these rows")
     i.add_argument("--seed", type=int, default=0, help="sampling seed")
 
     c = sub.add_parser("convert-nemo-rl", help="convert a NeMo-RL .pt projection to safetensors")
     c.add_argument("input", help="NeMo-RL projection .pt file")
-    c.add_argument("--student-tokenizer", required=True, help="HF tokenizer directory")
-    c.add_argument("--teacher-tokenizer", required=True, help="HF tokenizer directory")
+    c.add_argument("--tokenizer-model", "--student-tokenizer", dest="student_tokenizer",
+                   required=True, help="student HF tokenizer directory")
+    c.add_argument("--teacher-tokenizer-model", "--teacher-tokenizer",
+                   dest="teacher_tokenizer", required=True, help="teacher HF tokenizer directory")
     c.add_argument("--top-k", type=int, default=None, help="cut rows to k (default: keep all)")
     c.add_argument("--renormalize", action="store_true", help="scale each row to sum to 1")
     c.add_argument("--out", required=True, help="output .safetensors file")
