@@ -284,3 +284,11 @@ def test_wsd_needs_its_decay_length(base):
         parse_args([*base, "--lr-decay-style", "WSD"], 4)
     with pytest.raises(ValueError, match="not both"):
         parse_args([*base, "--lr-warmup-iters", "1", "--lr-warmup-fraction", "0.1"], 4)
+
+
+def test_the_packing_cache_is_never_the_current_directory(base, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert parse_args(base, 4).data_cache_path == str(tmp_path / "xdg" / "megatron-xdistill" /
+                                                      "data")
+    saved = parse_args([*base, "--save", str(tmp_path / "run")], 4)
+    assert saved.data_cache_path == str(tmp_path / "run" / "data_cache")

@@ -131,7 +131,13 @@ def test_packed_samples_fit_and_cover_all_text(aligner, tmp_path):
     assert batch["student_chunk_id"].shape == (2, 65) and batch["chunk_valid"].shape == (2, 65)
     assert int(batch["num_bytes"][0]) > 0
 
-    save_plan(plan, str(tmp_path / "plan.pkl"))
-    again = load_plan(str(tmp_path / "plan.pkl"), plan.key)
+    path = tmp_path / "plan.npz"
+    save_plan(plan, str(path))
+    again = load_plan(str(path), plan.key)
     assert np.array_equal(again.pieces, plan.pieces)
-    assert load_plan(str(tmp_path / "plan.pkl"), "other-key") is None
+    assert np.array_equal(again.sample_offsets, plan.sample_offsets)
+    assert load_plan(str(path), "other-key") is None
+    with np.load(path, allow_pickle=False) as blob:  # plain arrays: no pickled objects
+        assert sorted(blob.files) == ["key", "pieces", "sample_offsets", "version"]
+    path.write_bytes(path.read_bytes()[:100])  # a cut-short cache file is built again
+    assert load_plan(str(path), plan.key) is None

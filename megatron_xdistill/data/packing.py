@@ -16,10 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import sys
 import tempfile
 import time
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -245,13 +245,14 @@ def load_documents(sources: Sequence[DataSource], text_field: str) -> tuple[list
 
 
 def save_plan(plan: PackingPlan, path: str) -> None:
-    """Write atomically (temp file + rename): an interrupted write leaves no partial plan."""
+    """Write as NumPy arrays (``.npz``; no pickle: a cache file from elsewhere can not run code),
+    atomically (temp file + rename): an interrupted write leaves no partial plan."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            pickle.dump({"version": PLAN_VERSION, "key": plan.key, "pieces": plan.pieces,
-                         "sample_offsets": plan.sample_offsets}, fh)
+            np.savez(fh, version=np.int64(PLAN_VERSION), key=np.str_(plan.key),
+                     pieces=plan.pieces, sample_offsets=plan.sample_offsets)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -260,14 +261,18 @@ def save_plan(plan: PackingPlan, path: str) -> None:
 
 
 def load_plan(path: str, key: str) -> PackingPlan | None:
-    """A cached plan with this key, or None."""
+    """A cached plan with this key, or None (absent, another key or version, or unreadable:
+    the plan is then built again, identically)."""
     if not os.path.exists(path):
         return None
-    with open(path, "rb") as fh:
-        blob = pickle.load(fh)
-    if blob.get("version") != PLAN_VERSION or blob.get("key") != key:
+    try:
+        with np.load(path, allow_pickle=False) as blob:
+            if int(blob["version"]) != PLAN_VERSION or str(blob["key"]) != key:
+                return None
+            return PackingPlan(pieces=blob["pieces"], sample_offsets=blob["sample_offsets"],
+                               key=key)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
         return None
-    return PackingPlan(pieces=blob["pieces"], sample_offsets=blob["sample_offsets"], key=key)
 
 
 def log_stderr(message: str) -> None:

@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "spent on padding)")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     g.add_argument("--data-cache-path", default=None,
-                   help="where packing plans are cached (default: <save>/data_cache)")
+                   help="where packing plans are cached (default: <save>/data_cache, else "
+                   "$XDG_CACHE_HOME/megatron-xdistill/data, i.e. ~/.cache/...; never the "
+                   "current directory)")
     g.add_argument("--seed", type=int, default=1234, help="data order and initialisation seed")
 
     g = p.add_argument_group("training")
@@ -302,7 +304,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.eval_interval is not None:
         _check(args.valid_data_path is not None, "--eval-interval needs --valid-data-path")
     if args.data_cache_path is None:
-        args.data_cache_path = os.path.join(args.save, "data_cache") if args.save else None
+        args.data_cache_path = (os.path.join(args.save, "data_cache") if args.save else
+                                os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(
+                                    os.path.expanduser("~"), ".cache"), "megatron-xdistill",
+                                    "data"))
     return args
 
 

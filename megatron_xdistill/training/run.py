@@ -84,8 +84,8 @@ def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
     sources, documents, counts = loaded or _documents(args, paths, what)
     key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
                    args.seq_length, args.teacher_seq_length, args.seed, num_samples)
-    cache = args.data_cache_path or os.path.join(os.getcwd(), ".xdistill_cache")
-    path = os.path.join(cache, f"{what}_plan_{key}.pkl")
+    cache = args.data_cache_path
+    path = os.path.join(cache, f"{what}_plan_{key}.npz")
     if dist.get_rank() == 0:
         plan = load_plan(path, key)
         if plan is None:
