@@ -42,3 +42,50 @@ def test_megatron_tag_names_beside_ours():
 
 def test_progress_line_without_time_has_no_stamp():
     assert format_line({"iteration": 1, "ce": 1.0}) == "iteration 1 | ce 1.0000"
+
+
+class _FakeRun:
+    def __init__(self, **init):
+        self.init, self.logged, self.finished = init, [], False
+
+    def log(self, scalars, step):
+        self.logged.append((step, dict(scalars)))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_gets_the_tensorboard_scalars_at_each_step(tmp_path, monkeypatch):
+    """--wandb-project / --wandb-exp-name / --wandb-save-dir reach wandb.init; each record is
+    logged at its iteration with the same tags as TensorBoard (ours and Megatron-LM's)."""
+    import sys
+    import types
+
+    runs = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: runs.append(_FakeRun(**kw)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    save = tmp_path / "wandb"
+    writer = MetricsWriter(None, None, enabled=True,
+                           wandb={"project": "xd", "name": "exp", "dir": str(save),
+                                  "entity": None, "config": {"lr": 1e-4}})
+    writer.write({"iteration": 7, "ce": 2.0, "kd": math.nan, "lr": 1e-4})
+    writer.close()
+    (run,) = runs
+    assert run.init == {"project": "xd", "name": "exp", "dir": str(save),
+                        "config": {"lr": 1e-4}} and save.is_dir()
+    assert run.logged == [(7, {"ce": 2.0, "lm loss": 2.0, "lr": 1e-4, "learning-rate": 1e-4})]
+    assert run.finished
+    disabled = MetricsWriter(None, None, enabled=False, wandb={"project": "xd"})
+    disabled.write({"iteration": 1, "ce": 1.0})  # other ranks: nothing
+    assert len(runs) == 1
+
+
+def test_wandb_missing_says_how_to_install(monkeypatch):
+    import sys
+
+    import pytest
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(RuntimeError, match="pip install wandb"):
+        MetricsWriter(None, None, enabled=True, wandb={"project": "xd"})

@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kd-temperature", type=float, default=1.0)
     g.add_argument("--kd-topk", type=int, default=64,
                    help="teacher columns shipped: N = top-N (see mode); 0 = the full vocabulary "
-                   "(exact P-KL: about 20x the loss time of top-64 and 1000x its payload; "
+                   "(exact P-KL: about 10x the loss time of top-64 and 1000x its payload; "
                    "top-64 per chunk keeps the gradient's direction to cosine 0.999, "
                    "benchmarks/bench_loss_compression.py)")
     g.add_argument("--kd-topk-mode", choices=TOPK_MODES, default="chunk",
@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global batches of --valid-data-path per evaluation (as in Megatron-LM)")
     g.add_argument("--metrics-file", default=None, help="JSON Lines file of logged metrics")
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--wandb-project", default=None,
+                   help="log to Weights & Biases under this project (pip install wandb; "
+                   "WANDB_MODE=offline writes locally)")
+    g.add_argument("--wandb-exp-name", default=None, help="the W&B run's name")
+    g.add_argument("--wandb-save-dir", default=None, help="where W&B writes its files")
+    g.add_argument("--wandb-entity", default=None, help="W&B team or user")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     return p
 
@@ -347,6 +353,10 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
            "--teacher-cache-only needs --teacher-cache DIR (where the payloads go)")
     _check(args.teacher_cache_shard_mib >= 1, "--teacher-cache-shard-mib must be >= 1")
     _check(args.teacher_cache_commit_seconds > 0, "--teacher-cache-commit-seconds must be > 0")
+    _check(args.wandb_project is not None or (args.wandb_exp_name is None
+                                               and args.wandb_save_dir is None
+                                               and args.wandb_entity is None),
+           "--wandb-exp-name / --wandb-save-dir / --wandb-entity need --wandb-project")
     _check(args.exit_duration_in_mins is None or args.exit_duration_in_mins >= 0,
            "--exit-duration-in-mins must be >= 0")
     if cache is None:

@@ -1,9 +1,9 @@
 """Progress lines, a JSON Lines metrics file and (optionally) TensorBoard, written by rank 0.
 
 The metrics file is strict JSON (a value that is not a finite number, such as the KD term of a
-CE-only run, is ``null``); TensorBoard gets each value under our name and, where Megatron-LM has
-one, under Megatron-LM's tag too (``lm loss``, ``learning-rate``, ``grad-norm``, ...), so
-existing dashboards find them.
+CE-only run, is ``null``); TensorBoard and Weights & Biases get each value under our name and,
+where Megatron-LM has one, under Megatron-LM's tag too (``lm loss``, ``learning-rate``,
+``grad-norm``, ...), so existing dashboards find them.
 """
 
 from __future__ import annotations
@@ -48,12 +48,23 @@ class MetricsWriter:
     """Writes one record per logged step to stdout, ``--metrics-file`` and TensorBoard."""
 
     def __init__(self, metrics_file: str | None, tensorboard_dir: str | None,
-                 enabled: bool) -> None:
+                 enabled: bool, wandb: Mapping | None = None) -> None:
+        """``wandb``: ``wandb.init`` keywords (project, name, dir, entity, config) or None."""
         self.enabled = enabled
         self._file = None
         self._tb = None
+        self._wandb = None
         if not enabled:
             return
+        if wandb is not None:
+            try:
+                import wandb as wandb_module
+            except ImportError as exc:  # an optional extra
+                raise RuntimeError("--wandb-project needs the wandb package: pip install wandb"
+                                   ) from exc
+            if wandb.get("dir"):
+                os.makedirs(wandb["dir"], exist_ok=True)
+            self._wandb = wandb_module.init(**{k: v for k, v in wandb.items() if v is not None})
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self._file = open(metrics_file, "a", buffering=1)
@@ -74,17 +85,23 @@ class MetricsWriter:
         print(line if line is not None else format_line(record), flush=True)
         if self._file is not None:
             self._file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        if self._tb is not None:
+        if self._tb is not None or self._wandb is not None:
             step = int(record.get("iteration", 0))
-            for tag, value in tensorboard_scalars(record).items():
-                self._tb.add_scalar(tag, value, step)
-            self._tb.flush()
+            scalars = tensorboard_scalars(record)
+            if self._tb is not None:
+                for tag, value in scalars.items():
+                    self._tb.add_scalar(tag, value, step)
+                self._tb.flush()
+            if self._wandb is not None:
+                self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def format_line(record: Mapping) -> str:

@@ -188,7 +188,12 @@ def _train(args, started: float) -> int:
             eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
                             for k in range(0, len(mine), mbs)]
 
-    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=rank == 0)
+    wandb = None if args.wandb_project is None else {
+        "project": args.wandb_project, "name": args.wandb_exp_name, "dir": args.wandb_save_dir,
+        "entity": args.wandb_entity, "config": {k: v for k, v in vars(args).items()
+                                                if isinstance(v, (int, float, str, bool, list))}}
+    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=rank == 0,
+                           wandb=wandb)
     if eval_batches is not None and iteration == 0:
         writer.write({"iteration": 0, **distiller.evaluate(eval_batches)})
     last = time.perf_counter()
