@@ -105,6 +105,13 @@ LAYOUTS = {
     "student_pp2_dp2_distopt_teacher_tp2": ["--pipeline-model-parallel-size", "2",
                                             "--use-distributed-optimizer",
                                             "--teacher-tensor-model-parallel-size", "2"],
+    # Megatron-Core DDP's overlapped gradient reduce and parameter gather (bucket by bucket)
+    # (small buckets: several per model, so each is reduced / gathered on its own)
+    "student_dp4_distopt_overlap": ["--use-distributed-optimizer", "--overlap-grad-reduce",
+                                    "--overlap-param-gather", "--ddp-bucket-size", "200000"],
+    "student_pp2_dp2_overlap_grad_reduce": ["--pipeline-model-parallel-size", "2",
+                                            "--overlap-grad-reduce", "--ddp-bucket-size",
+                                            "200000"],
 }
 
 
@@ -236,3 +243,30 @@ def test_teacher_length_is_derived_from_the_data(e2e_setup, e2e_pool):
     records = [json.loads(x) for x in (root / "derived_length.jsonl").read_text().splitlines()]
     fills = [r["teacher_fill"] for r in records if "kd" in r]
     assert len(fills) == 2 and all(0.8 <= f <= 1.0 for f in fills), fills
+
+
+def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_reference,
+                                                                  e2e_pool):
+    """With --overlap-param-gather the parameters of step k+1 arrive during its forward; an
+    evaluation and a checkpoint in between must see them whole. A run that evaluates after
+    every step, stops at step 1 and resumes gives the reference's losses and the evaluations
+    of the same run without overlap."""
+    root, s_tok, t_tok = e2e_setup
+    common = ["--use-distributed-optimizer", "--valid-data-path", str(root / "train.jsonl"),
+              "--eval-interval", "1", "--eval-iters", "1"]
+    overlap = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "200000"]
+    save = ["--save", str(root / "overlap_run"), "--save-interval", "1"]
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "overlap_run",
+                                  common + overlap + save + ["--exit-interval", "1"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "overlap_run", common + overlap + save))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "plain_run", common))
+    assert_losses_match(_losses(root, "overlap_run"), e2e_reference, "overlapped, resumed")
+
+    def evals(name):
+        records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
+        return {r["iteration"]: r["eval_ce"] for r in records if "eval_ce" in r}
+
+    got, want = evals("overlap_run"), evals("plain_run")
+    assert sorted(got) == sorted(want) == list(range(STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=RTOL), f"eval after step {step}"

@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "serve the teacher (the last N ranks); the student gets the rest")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks")
+    p.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="student: reduce gradients over DP bucket by bucket during the backward "
+                   "(Megatron-Core DDP), instead of after it")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="student, with --use-distributed-optimizer: gather the updated "
+                   "parameters bucket by bucket during the next forward")
+    p.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per DDP communication bucket (default: Megatron-Core's, "
+                   "max(40M, 1M x DP) with overlap)")
     g = p.add_argument_group("activation recomputation (student; the teacher keeps none)")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="full: recompute whole transformer layers in backward (needs "
@@ -274,6 +283,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            "--optimizer sgd does not work with --use-distributed-optimizer: Megatron-Core's "
            "distributed optimizer shards Adam's state only (use --optimizer adam, or drop "
            "--use-distributed-optimizer)")
+    _check(not args.overlap_param_gather or (args.use_distributed_optimizer
+                                              and args.overlap_grad_reduce),
+           "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+           "(as in Megatron-LM)")
     _check(0 <= args.sgd_momentum < 1, f"--sgd-momentum {args.sgd_momentum} must be in [0, 1)")
     _check(args.kd_temperature > 0, "--kd-temperature must be > 0")
     _check(args.kd_topk >= 0, "--kd-topk must be >= 0 (0 = full teacher vocabulary)")

@@ -21,6 +21,7 @@ so are the losses.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -305,9 +306,17 @@ class Distiller:
         self.ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=args.use_distributed_optimizer,
             grad_reduce_in_fp32=True,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
+            bucket_size=args.ddp_bucket_size,
         )
         self.student = DistributedDataParallel(self.student_config, self.ddp_config, model,
                                                pg_collection=self.student_groups.pg_collection)
+        if args.overlap_grad_reduce:  # the schedule holds the reduce until the last microbatch
+            self.student_config.no_sync_func = self.student.no_sync
+            self.student_config.grad_sync_func = self.student.start_grad_sync
+        if args.overlap_param_gather:  # the next forward waits for each bucket's gather
+            self.student_config.param_sync_func = self.student.start_param_sync
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
@@ -539,9 +548,27 @@ class Distiller:
                 "shipped_bytes_per_token": round(self.shipped_bytes_per_step / max(n_tokens, 1.0),
                                                  1)}
 
+    @contextlib.contextmanager
+    def _whole_parameters(self):
+        """With --overlap-param-gather the updated parameters arrive bucket by bucket during the
+        next training forward: gather them all now (evaluation, checkpoints), as Megatron-LM
+        does, and restore the overlap afterwards."""
+        if not (self.has_student and self.args.overlap_param_gather):
+            yield
+            return
+        self.student.disable_forward_pre_hook()
+        try:
+            yield
+        finally:
+            self.student.enable_forward_pre_hook()
+
     def evaluate(self, batches) -> dict[str, float]:
         """Student CE and bits per byte on held-out batches (forward only; collective over the
         student ranks, nothing to do on disaggregated teacher ranks)."""
+        with self._whole_parameters():
+            return self._evaluate(batches)
+
+    def _evaluate(self, batches) -> dict[str, float]:
         if not self.has_student:
             return {}
         groups = self.student_groups
@@ -595,9 +622,10 @@ class Distiller:
         if self.rank == 0:  # the model description travels with the run (resume needs no flags)
             self.models_api.save_model_info(self.student_info, root)
             self.models_api.keep_hf_files(root, self.args.load, self.args.tokenizer_model)
-        return save_checkpoint(root, iteration, self.student.module, self.optimizer, self.scheduler,
-                               self.student_groups.pg_collection.dp_cp, common,
-                               partial_world=partial_world)
+        with self._whole_parameters():
+            return save_checkpoint(root, iteration, self.student.module, self.optimizer,
+                                   self.scheduler, self.student_groups.pg_collection.dp_cp,
+                                   common, partial_world=partial_world)
 
     def resume(self, root: str) -> dict:
         """Restore the student from a training checkpoint (collective over the student ranks);
