@@ -352,10 +352,3 @@ def install() -> None:
 def default_backend() -> str:
     """torch.distributed backend for this machine: nccl with CUDA, gloo otherwise."""
     return "nccl" if cuda_available() else "gloo"
-
-
-def default_device() -> torch.device:
-    """The device model shards live on: the current CUDA device, or the CPU."""
-    if cuda_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

@@ -10,7 +10,7 @@ import pytest
 from shared_assets import ASSETS
 from shared_assets import needs_shared_assets as needs_assets
 
-from megatron_xdistill.data.dataset import DistillationDataset, PretrainingSampler, collate_samples
+from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
 from megatron_xdistill.data.packing import (
     build_plan,
     document_order,
@@ -67,14 +67,25 @@ def test_document_order_is_seeded_and_weighted():
     assert sorted(plain.tolist()) == list(range(7))
 
 
-def test_sampler_splits_global_batches_over_dp_and_resumes():
-    def take(rank, consumed, n):
-        it = iter(PretrainingSampler(100, consumed, 2, rank, 2))
+def test_step_sampler_gives_each_rank_its_samples_and_resumes():
+    """Global batch 8, micro-batch 2: student DP rank r holds micro-batches r, r + 2, ... of
+    each step (Megatron's order); a teacher DP rank a contiguous half; the steps follow each
+    other, wrap around the plan, and a sampler started at step k continues the same sequence."""
+    from megatron_xdistill.data.loader import StepSampler
+    from megatron_xdistill.parallel.layout import ParallelLayout
+
+    student, teacher = ParallelLayout(dp=2), ParallelLayout(dp=2)
+
+    def steps(s_rank, t_rank, start, n, num=20):
+        it = iter(StepSampler(num, start, 8, 2, s_rank, student, t_rank, teacher))
         return [next(it) for _ in range(n)]
 
-    assert take(0, 0, 2) == [[0, 1], [4, 5]]
-    assert take(1, 0, 2) == [[2, 3], [6, 7]]
-    assert take(0, 4, 1) == take(0, 0, 2)[1:]  # resume = skip consumed samples
+    assert steps(0, None, 0, 2) == [[0, 1, 4, 5], [8, 9, 12, 13]]
+    assert steps(1, None, 0, 2) == [[2, 3, 6, 7], [10, 11, 14, 15]]
+    assert steps(None, 1, 0, 1) == [[4, 5, 6, 7]]
+    assert steps(0, 1, 0, 1) == [[0, 1, 4, 5, 6, 7]]  # colocated: what either model needs
+    assert steps(0, None, 2, 1) == [[16, 17, 0, 1]]  # step 2 wraps around 20 samples
+    assert steps(1, None, 1, 2) == steps(1, None, 0, 3)[1:]  # resume = start at the step
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ packed chunk tensors of DESIGN.md (``student_chunk_id``, ``teacher_chunk_id``, `
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -109,32 +109,3 @@ def collate_samples(samples: Sequence[dict]) -> dict[str, torch.Tensor]:
     for key in ("student_chunk_id", "teacher_chunk_id", "chunk_valid", "chunk_exact"):
         batch[key] = packed[key]
     return batch
-
-
-class PretrainingSampler(torch.utils.data.Sampler):
-    """Megatron-style sampler: yields this DP rank's micro-batches, resumable by sample count.
-
-    Global step ``g`` uses samples ``[g * GBS, (g + 1) * GBS)``; within it, micro-batch ``j`` of
-    DP rank ``r`` holds samples ``g * GBS + j * MBS * DP + r * MBS + [0, MBS)``. Samples wrap
-    around the dataset when training outlasts the plan.
-    """
-
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int) -> None:
-        if total_samples <= 0:
-            raise ValueError("no samples to train on")
-        self.total = total_samples
-        self.consumed = consumed_samples
-        self.mbs = micro_batch_size
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-
-    def __iter__(self) -> Iterator[list[int]]:
-        start = self.consumed
-        while True:
-            base = start + self.dp_rank * self.mbs
-            yield [(base + i) % self.total for i in range(self.mbs)]
-            start += self.mbs * self.dp_size
-
-    def __len__(self) -> int:  # infinite stream; DataLoader needs a length only for len()
-        return 2**62

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 import zipfile
@@ -273,7 +272,3 @@ def load_plan(path: str, key: str) -> PackingPlan | None:
                                key=key)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError):
         return None
-
-
-def log_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

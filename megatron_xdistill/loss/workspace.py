@@ -20,8 +20,3 @@ def scratch(name: str, numel: int, device: torch.device, dtype: torch.dtype) -> 
         _BUFFERS.pop(key, None)
         buf = _BUFFERS[key] = torch.empty(numel, device=device, dtype=dtype)
     return buf[:numel]
-
-
-def release_scratch() -> None:
-    """Free every scratch buffer (e.g. before a memory-hungry phase such as evaluation)."""
-    _BUFFERS.clear()

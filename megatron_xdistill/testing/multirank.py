@@ -17,7 +17,6 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -28,14 +27,6 @@ _GRACE_AFTER_FAILURE_S = 10.0
 
 class RankError(RuntimeError):
     """A rank raised, hung past the timeout, or died."""
-
-
-@dataclass
-class RankContext:
-    """What a task learns about where it runs (also available from torch.distributed)."""
-
-    rank: int
-    world_size: int
 
 
 def free_port() -> int:
@@ -231,12 +222,3 @@ class RankPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def run_on_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = _DEFAULT_TIMEOUT_S,
-    **kwargs: Any,
-) -> list[Any]:
-    """One-shot: start ``world_size`` ranks, run ``fn`` on each, stop them, return the values."""
-    with RankPool(world_size) as pool:
-        return pool.run(fn, *args, timeout=timeout, **kwargs)

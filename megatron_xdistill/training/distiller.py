@@ -168,10 +168,6 @@ def _world_gathers_of_student_setup(has_student: bool) -> None:
         dist.all_gather_object(gathered, [])
 
 
-def _sharded_metadata(groups: ModelParallelGroups) -> dict:
-    return {"dp_cp_group": groups.pg_collection.dp_cp}
-
-
 class Distiller:
     """Builds both models, the optimizer and the transport; runs steps and evaluation."""
 
