@@ -103,7 +103,7 @@ class _Plan:
         return self.labels is not None and self.temp != 1.0
 
     def _block(self, x, probs_local, lz_local, blk) -> BlockData:
-        seg = self.rows.pos_row[blk.start: blk.end].to(x.device)
+        seg = self.rows.pos_row[blk.start: blk.end]
         seg = torch.where(seg >= 0, seg - blk.row_start, seg)
         logz = self.logz[blk.start: blk.end]
         extra = None if self.extra is None else self.extra[blk.start: blk.end]
@@ -145,10 +145,9 @@ class _Plan:
         if not kernel.per_block:
             self.raw_all = {k: torch.cat([r[k] for r in raws]) for k in raws[0]} if raws else {}
             if raws:
-                local = rows.local_rows.to(dev)
+                local = rows.local_rows
                 self.raw_local = _take(self.raw_all, local)
-                kl, t1 = kernel.kl(self.raw_local, rows.keys[local].to(dev),
-                                   rows.count[local].to(dev))
+                kl, t1 = kernel.kl(self.raw_local, rows.keys[local], rows.count[local])
                 acc[0] += kl.double().sum()
                 acc[1] += t1.double().sum()
                 split_buf = self._stash_split(self.raw_all, None, split_buf)
@@ -204,8 +203,7 @@ class _Plan:
         slot = rows.split_slot[lo:hi]
         sel = torch.nonzero(slot >= 0, as_tuple=True)[0]
         if sel.numel():
-            dst = slot[sel].to(next(iter(buf.values())).device)
-            sel = sel.to(dst.device)
+            dst = slot[sel]
             for k, v in raw.items():
                 buf[k][dst] = v.index_select(0, sel)
         return buf
@@ -218,9 +216,9 @@ class _Plan:
         dev = next(iter(raw.values())).device
         if sel.numel() == 0:
             return torch.zeros(2, dtype=torch.float64, device=dev)
-        keys = rows.keys[blk.row_start: blk.row_end][sel].to(dev)
-        counts = rows.count[blk.row_start: blk.row_end][sel].to(dev)
-        kl, t1 = self.kernel.kl(_take(raw, sel.to(dev)), keys, counts)
+        keys = rows.keys[blk.row_start: blk.row_end][sel]
+        counts = rows.count[blk.row_start: blk.row_end][sel]
+        kl, t1 = self.kernel.kl(_take(raw, sel), keys, counts)
         return torch.stack([kl.double().sum(), t1.double().sum()])
 
     def _finish_split(self, buf: Raw | None, like: torch.Tensor) -> torch.Tensor:
@@ -234,10 +232,8 @@ class _Plan:
         for v in buf.values():
             all_reduce(v, self.cp_group)
         self.split_raw = buf
-        dev = like.device
-        owner = (rows.split_owner == group_rank(self.cp_group)).to(dev)
-        kl, t1 = self.kernel.kl(buf, rows.split_keys.to(dev),
-                                rows.key_count[rows.split_keys].to(dev))
+        owner = rows.split_owner == group_rank(self.cp_group)
+        kl, t1 = self.kernel.kl(buf, rows.split_keys, rows.key_count[rows.split_keys])
         return torch.stack([(kl.double() * owner).sum(), (t1.double() * owner).sum()])
 
     # ----------------------------------------------------------------- backward
@@ -266,20 +262,18 @@ class _Plan:
         g_split = None
         if self.split_raw is not None:  # weighted by the owning CP rank's upstream gradient
             owner_g = torch.stack(all_gather(g_kd.reshape(1), self.cp_group))[:, 0]
-            g_split = self._grad_of(self.split_raw, rows.split_keys.to(dev),
-                                    rows.key_count[rows.split_keys].to(dev),
-                                    owner_g[rows.split_owner.to(dev)])
+            g_split = self._grad_of(self.split_raw, rows.split_keys,
+                                    rows.key_count[rows.split_keys], owner_g[rows.split_owner])
         g_all = None
         if not kernel.per_block and rows.num_rows:
-            local = rows.local_rows.to(dev)
-            g_local = self._grad_of(self.raw_local, rows.keys[local].to(dev),
-                                    rows.count[local].to(dev), g_kd)
+            local = rows.local_rows
+            g_local = self._grad_of(self.raw_local, rows.keys[local], rows.count[local], g_kd)
             g_all = {k: torch.zeros_like(v) for k, v in self.raw_all.items()}
             split = rows.split_rows
             for k in g_all:
                 g_all[k][local] = g_local[k]
                 if g_split is not None and split.numel():
-                    g_all[k][split.to(dev)] = g_split[k][rows.split_slot[split].to(dev)]
+                    g_all[k][split] = g_split[k][rows.split_slot[split]]
         inv_t = 1.0 / self.temp
         for blk in rows.blocks:
             out = grad[blk.start: blk.end, : self.num_real]
@@ -320,17 +314,16 @@ class _Plan:
         out = {k: torch.zeros_like(v) for k, v in raw.items()}
         slot = rows.split_slot[blk.row_start: blk.row_end]
         local = torch.nonzero(slot < 0, as_tuple=True)[0]
-        dev = data.x.device
         if local.numel():
-            keys = rows.keys[blk.row_start: blk.row_end][local].to(dev)
-            counts = rows.count[blk.row_start: blk.row_end][local].to(dev)
-            g = self._grad_of(_take(raw, local.to(dev)), keys, counts, g_kd)
+            keys = rows.keys[blk.row_start: blk.row_end][local]
+            counts = rows.count[blk.row_start: blk.row_end][local]
+            g = self._grad_of(_take(raw, local), keys, counts, g_kd)
             for k in out:
-                out[k][local.to(dev)] = g[k]
+                out[k][local] = g[k]
         split = torch.nonzero(slot >= 0, as_tuple=True)[0]
         if split.numel():
             for k in out:
-                out[k][split.to(dev)] = g_split[k][slot[split].to(dev)]
+                out[k][split] = g_split[k][slot[split]]
         return out
 
     def _ce_backward(self, dx, logits2d, start: int, end: int, g_ce, has, col) -> None:
@@ -421,10 +414,11 @@ def parallel_kd_loss(
                                 max_block)
         kernel = None
     else:
-        kernel, rows = _kernel(
-            payload, student_chunk_id, chunk_valid, chunk_exact, projection, mode, reverse,
-            exact_only, common_student_ids, uncommon_topk, student_vocab_size, vocab_start,
-            v_local, num_real, tp_group, cp_group, max_block, dev, kernel_class)
+        options = _KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
+        vocab = _VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
+        rows = _rows(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only, cp_group,
+                     max_block)
+        kernel = _kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
     plan = _Plan(rows=rows.to(dev), kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows))
@@ -453,9 +447,32 @@ def _kernel_class(mode: str, form: str) -> type:
     return DenseKernel if form == "full" else ColumnsKernel
 
 
-def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, reverse, exact_only,
-            common_student_ids, uncommon_topk, vs, vocab_start, v_local, num_real, tp_group,
-            cp_group, max_block, dev, kernel_class):
+@dataclass(frozen=True)
+class _KernelOptions:
+    """What the loss computes (see :func:`parallel_kd_loss`)."""
+
+    mode: str
+    reverse: bool
+    exact_only: bool
+    common_student_ids: torch.Tensor | None
+    uncommon_topk: int
+
+
+@dataclass(frozen=True)
+class _VocabShard:
+    """Where this TP rank's logits sit in the student vocabulary."""
+
+    vocab_size: int  # V_s, real tokens
+    start: int       # first column's token id
+    width: int       # V_local, padded columns included
+    num_real: int    # of them, real tokens
+    device: torch.device
+
+
+def _rows(payload: TeacherPayload, chunk_id, chunk_valid, chunk_exact, exact_only: bool,
+          cp_group: Group, max_block: int) -> ChunkRows:
+    """The rank's chunk rows (on the CPU): valid chunks with a teacher row (exact only, if
+    asked), cut into blocks."""
     b = chunk_id.shape[0]
     if payload.batch_size != b or chunk_valid.shape != (b, payload.spec.num_chunks):
         raise ValueError(
@@ -464,29 +481,34 @@ def _kernel(payload, chunk_id, chunk_valid, chunk_exact, projection, mode, rever
     include = chunk_valid.bool().cpu() & payload.has_teacher.bool().cpu()
     if exact_only:
         include &= chunk_exact.bool().cpu()
-    rows = build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
-    if mode == "pkl":
+    return build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
+
+
+def _kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, projection,
+            options: _KernelOptions, vocab: _VocabShard, tp_group: Group):
+    """The kernel of ``kernel_class`` for this call, its inputs checked."""
+    dev, num_real = vocab.device, vocab.num_real
+    if options.mode == "pkl":
         shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
-            projection[0], projection[1], vocab_start, _teacher_vocab(payload, projection))
-        if shard.num_rows != v_local:
-            raise ValueError(f"projection shard has {shard.num_rows} rows, logits {v_local}")
+            projection[0], projection[1], vocab.start, _teacher_vocab(payload, projection))
+        if shard.num_rows != vocab.width:
+            raise ValueError(f"projection shard has {shard.num_rows} rows, logits {vocab.width}")
         shard = shard.to(dev)
         if kernel_class is DenseKernel:
-            kernel = DenseKernel(payload, shard, num_real, reverse, tp_group,
-                                 torch.cat([rows.keys, rows.split_keys]))
-        else:
-            kernel = ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), reverse, tp_group)
-    else:
-        if common_student_ids is None:
-            raise ValueError(f"mode {mode!r} needs common_student_ids "
-                             f"(ProjectionMatrix.common_vocab({GOLD_RULES[mode]!r}))")
-        common = torch.as_tensor(common_student_ids, dtype=torch.int64, device=dev)
-        if common.numel() != payload.spec.width:
-            raise ValueError(f"{common.numel()} common ids but the payload has "
-                             f"{payload.spec.width} common columns")
-        n_unc = max(0, min(payload.spec.uncommon, vs - common.numel(), uncommon_topk))
-        kernel = GoldKernel(payload, common, vocab_start, num_real, n_unc, reverse, tp_group)
-    return kernel, rows
+            return DenseKernel(payload, shard, num_real, options.reverse, tp_group,
+                               torch.cat([rows.keys, rows.split_keys]))
+        return ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), options.reverse,
+                             tp_group)
+    if options.common_student_ids is None:
+        raise ValueError(f"mode {options.mode!r} needs common_student_ids "
+                         f"(ProjectionMatrix.common_vocab({GOLD_RULES[options.mode]!r}))")
+    common = torch.as_tensor(options.common_student_ids, dtype=torch.int64, device=dev)
+    if common.numel() != payload.spec.width:
+        raise ValueError(f"{common.numel()} common ids but the payload has "
+                         f"{payload.spec.width} common columns")
+    n_unc = max(0, min(payload.spec.uncommon, vocab.vocab_size - common.numel(),
+                       options.uncommon_topk))
+    return GoldKernel(payload, common, vocab.start, num_real, n_unc, options.reverse, tp_group)
 
 
 def _teacher_vocab(payload: TeacherPayload, projection) -> int:
