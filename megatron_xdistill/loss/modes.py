@@ -234,6 +234,9 @@ class DenseKernel:
         const = torch.zeros(n, dtype=torch.float64, device=dev)
         argmax = torch.zeros(n, dtype=torch.int64, device=dev)
         keys = torch.unique(keys.to(dev))
+        in_image = torch.zeros(width, dtype=torch.bool, device=dev)
+        in_image[self.proj.image] = True
+        outside_cols = torch.nonzero(~in_image, as_tuple=True)[0]
         step = self.TEACHER_ROWS
         for lo in range(0, keys.numel(), step):
             part = keys[lo: lo + step]
@@ -245,9 +248,12 @@ class DenseKernel:
                 continue
             p = scratch("teacher_p", m * width, dev, self.logprobs.dtype).view(m, width)
             torch.exp(lp, out=p)
-            plogp = torch.bmm(p[:, None, :], lp[:, :, None])[:, 0, 0]
-            outside = p.sum(-1) - p.index_select(1, self.proj.image).sum(-1)
-            const[part] = plogp.double() - math.log(EPS) * outside.double()
+            # Both sums accumulate in fp64: a row's entropy and the mass outside I (summed over
+            # its own columns, not 1 - the mass on I) feed every step's KL of that row.
+            plogp = torch.sum(p.mul_(lp), -1, dtype=torch.float64)
+            torch.exp(lp, out=p)
+            outside = torch.sum(p.index_select(1, outside_cols), -1, dtype=torch.float64)
+            const[part] = plogp - math.log(EPS) * outside
         return const, argmax
 
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
