@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_xdistill import mcore_compat
+from megatron_xdistill.parallel.group_scope import run_process_groups
 
 
 def init_distributed(timeout_minutes: float) -> bool:
@@ -118,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     mcore_compat.install()
     created = init_distributed(args.distributed_timeout_minutes)
     try:
-        return _train(args, started)
+        with run_process_groups():  # the run's layouts and transports end with it
+            return _train(args, started)
     finally:
         if created:
             dist.destroy_process_group()
