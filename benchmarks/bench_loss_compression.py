@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_xdistill.loss import (
         parallel_kd_loss,
         payload_spec,
-        shift_chunk_ids,
+        predicting_chunk_id,
         teacher_payload,
     )
 
@@ -101,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
           f"forwards {time.perf_counter() - t0:.1f} s")
     vs, vt = projection.student_vocab_size, projection.teacher_vocab_size
     z, u = z[..., :vs].contiguous(), u[..., :vt].contiguous()
-    s_pred = shift_chunk_ids(packed["student_chunk_id"])
-    t_pred = shift_chunk_ids(packed["teacher_chunk_id"])
+    s_pred = predicting_chunk_id(packed["student_chunk_id"])
+    t_pred = predicting_chunk_id(packed["teacher_chunk_id"])
     valid, exact = packed["chunk_valid"], packed["chunk_exact"]
     n_tokens = int((s_pred >= 0).sum())
     rows = (projection.indices, projection.weights)

@@ -61,19 +61,16 @@ def _one_config(hf_dir: str, tp: int, options: dict, seq_length: int) -> dict:
     import torch
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from conversion.launch import layout_groups
-    from megatron_xdistill.models import build_gpt_model, model_info_from_hf, transformer_config
+    from megatron_xdistill.models import build_model_for_layout, model_info_from_hf
 
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     groups = layout_groups(tp, 1, who="bench")
-    model_parallel_cuda_manual_seed(0, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
-                                    force_reset_rng=True)
     info = model_info_from_hf(hf_dir)
-    config = transformer_config(info, tp, 1, 1, torch.float32, **options)
-    model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
+    model, config = build_model_for_layout(info, groups, torch.float32, 0, use_te=False,
+                                           **options)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, info.vocab_size, (1, seq_length + 1), generator=gen)
     positions = torch.arange(seq_length)[None]

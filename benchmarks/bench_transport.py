@@ -103,7 +103,7 @@ def measure(kind: str, numel: int, samples: int, steps: int, device_type: str) -
     """On both ranks: ``steps`` exchanges of ``samples`` payloads of ``numel`` from rank 0 to 1."""
     import torch.distributed as dist
 
-    from megatron_xdistill.transport.gloo import P2PTransport
+    from megatron_xdistill.transport.p2p import P2PTransport
     from megatron_xdistill.transport.routing import Route
 
     rank = dist.get_rank()
@@ -162,7 +162,7 @@ def measure_stream(kind: str, numel: int, samples: int, receivers: int, steps: i
     which read every byte once. Seconds per step in steady state (after two warm-up steps)."""
     import torch.distributed as dist
 
-    from megatron_xdistill.transport.hybrid import RoutedStream
+    from megatron_xdistill.transport.routed import RoutedStream
     from megatron_xdistill.transport.routing import Route
 
     rank = dist.get_rank()

@@ -23,13 +23,12 @@ from conversion.mapping import (
 from conversion.safetensors_io import SafetensorsFolder
 from megatron_xdistill.models import (
     ModelInfo,
-    build_gpt_model,
+    build_model_for_layout,
     check_layout,
     copy_hf_files,
     model_info_from_hf,
     save_megatron_checkpoint,
     torch_dtype,
-    transformer_config,
 )
 
 
@@ -74,21 +73,16 @@ def convert_hf_to_mcore(
     The world is split into TP x PP x DP (DP ranks hold replicas and write nothing extra).
     ``dtype`` defaults to the HF config's. Returns a summary (same on every rank).
     """
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     info, notes = preflight(hf_dir, tp, pp)
     for note in notes:
         log(note)
     dtype = torch_dtype(dtype or info.hf_dtype)
     groups = layout_groups(tp, pp)
-    model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
-                                    force_reset_rng=True)
-    config = transformer_config(info, tp, pp, 1, dtype, perform_initialization=False,
-                                use_cpu_initialization=True)
     log(f"building {info.architecture} ({info.num_layers} layers, hidden {info.hidden_size}, "
         f"vocab {info.vocab_size} -> {info.padded_vocab_size(tp)} padded) at TP={tp} PP={pp}, "
         f"{dtype}")
-    model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
+    model, _ = build_model_for_layout(info, groups, dtype, seed, use_te=False,
+                                      perform_initialization=False, use_cpu_initialization=True)
     log(f"reading {hf_dir}")
     with SafetensorsFolder(hf_dir) as hf:
         fill_from_hf(model, hf, info, groups.coords["tp"], tp)

@@ -21,15 +21,14 @@ from conversion.mapping import hf_specs, iter_hf_tensors
 from conversion.safetensors_io import write_safetensors
 from megatron_xdistill.models import (
     ModelInfo,
-    build_gpt_model,
+    build_model_for_layout,
     load_megatron_checkpoint,
     load_model_info,
     model_info_from_hf,
     resolve_checkpoint_dir,
     torch_dtype,
-    transformer_config,
 )
-from megatron_xdistill.models.checkpoint import HF_SIDE_FILES, all_ranks_ok, hf_files_dir
+from megatron_xdistill.models.model_checkpoint import HF_SIDE_FILES, all_ranks_ok, hf_files_dir
 
 
 def checkpoint_dtype(ckpt_dir: str) -> torch.dtype:
@@ -95,18 +94,14 @@ def convert_mcore_to_hf(
     All ranks load the unsharded model (DP replicas), so run this on one rank unless testing.
     ``dtype`` defaults to the original HF model's. Returns a summary (rank 0's).
     """
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     check_output_dir(out, overwrite)
     info = load_model_info(load)
     stored = checkpoint_dtype(load)
     out_dtype = torch_dtype(dtype or info.hf_dtype)
     hf_config = _hf_config(info, hf_template, out_dtype)  # a wrong template fails before loading
     groups = layout_groups(1, 1, who="export")
-    model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
-    config = transformer_config(info, 1, 1, 1, stored, perform_initialization=False,
-                                use_cpu_initialization=True)
-    model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
+    model, _ = build_model_for_layout(info, groups, stored, use_te=False,
+                                      perform_initialization=False, use_cpu_initialization=True)
     path = load_megatron_checkpoint(model, load, groups.pg_collection)
     log(f"loaded {path} ({info.architecture}, {stored}); writing {out} as {out_dtype}")
     files: list[str] = []

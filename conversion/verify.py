@@ -17,11 +17,10 @@ import torch.distributed as dist
 from conversion.launch import layout_groups, log
 from megatron_xdistill.models import (
     ModelInfo,
-    build_gpt_model,
+    build_model_for_layout,
     load_megatron_checkpoint,
     load_model_info,
     model_info_from_hf,
-    transformer_config,
 )
 
 SAMPLE_TEXT = (
@@ -127,8 +126,6 @@ def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: i
 
     Returns the metrics on every rank.
     """
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     info = load_model_info(load)
     theirs = model_info_from_hf(hf_dir, info.make_vocab_size_divisible_by)
     # Both models run in fp32, so the stored dtype may differ (an fp32 export of bf16 weights).
@@ -151,11 +148,9 @@ def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: i
     # The HF model runs (and is freed) before the Megatron shard is built: peak memory is the
     # larger of the two models, not their sum.
     reference = hf_logits(hf_dir, tokens) if reporter else None
-    model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
-                                    force_reset_rng=True)
-    config = transformer_config(info, tp, pp, cp, torch.float32, perform_initialization=False,
-                                use_cpu_initialization=True)
-    model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
+    model, config = build_model_for_layout(info, groups, torch.float32, seed, use_te=False,
+                                           perform_initialization=False,
+                                           use_cpu_initialization=True)
     load_megatron_checkpoint(model, load, groups.pg_collection)
     logits = megatron_logits(model, tokens, config, groups.pg_collection)
     result: list[Any] = [None]

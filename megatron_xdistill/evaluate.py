@@ -193,13 +193,11 @@ def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsF
     TP = PP = 1 in this process. Needs a one-rank torch.distributed world (see
     :func:`evaluate`, which creates one when none exists)."""
     import torch.distributed as dist
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_xdistill.models import (
-        build_gpt_model,
+        build_model_for_layout,
         load_megatron_checkpoint,
         load_model_info,
-        transformer_config,
     )
     from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
 
@@ -208,10 +206,8 @@ def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsF
     _quiet_loading()
     info = load_model_info(load)
     groups = build_model_parallel_groups(ParallelLayout.for_world(1, who="evaluate"))
-    model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
-    config = transformer_config(info, 1, 1, 1, dtype, perform_initialization=False,
-                                use_cpu_initialization=True)
-    model = build_gpt_model(info, config, pg_collection=groups.pg_collection, use_te=False)
+    model, _ = build_model_for_layout(info, groups, dtype, use_te=False,
+                                      perform_initialization=False, use_cpu_initialization=True)
     load_megatron_checkpoint(model, load, groups.pg_collection)
     model.eval()
     vocab = info.vocab_size  # columns past it are Megatron's vocabulary padding

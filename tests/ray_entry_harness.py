@@ -29,7 +29,7 @@ from pathlib import Path
 import psutil
 
 from megatron_xdistill.launch.config import LaunchConfig
-from megatron_xdistill.launch.layout import forwarded_env
+from megatron_xdistill.launch.rank_env import forwarded_env
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

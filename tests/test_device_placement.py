@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import selects_gpu_tests
 
-from megatron_xdistill.loss.chunks import ChunkRows, build_chunk_rows
+from megatron_xdistill.loss.chunk_rows import ChunkRows, build_chunk_rows
 from megatron_xdistill.loss.shard import ProjectionShard
 
 

@@ -94,7 +94,7 @@ def stream_steps(student_sleep: float, steps: int, timeout_s: float, nodes: list
     import torch.distributed as dist
 
     from megatron_xdistill.parallel.layout import ParallelLayout
-    from megatron_xdistill.transport.hybrid import RoutedStream
+    from megatron_xdistill.transport.routed import RoutedStream
     from megatron_xdistill.transport.routing import routing_plan, teacher_samples
 
     layout = ParallelLayout.for_world(2)
@@ -207,7 +207,7 @@ def _one_side_missing(missing: str, nodes: list[int]) -> None:
     import torch.distributed as dist
 
     from megatron_xdistill.parallel.layout import ParallelLayout
-    from megatron_xdistill.transport.hybrid import RoutedStream
+    from megatron_xdistill.transport.routed import RoutedStream
     from megatron_xdistill.transport.routing import routing_plan, teacher_samples
 
     layout = ParallelLayout.for_world(2)

@@ -48,7 +48,7 @@ def _routed() -> dict:
     """RoutedTransport on the GPU: 2 ranks, rank 0 sends 2 samples to rank 1."""
     import torch.distributed as dist
 
-    from megatron_xdistill.transport.hybrid import RoutedTransport
+    from megatron_xdistill.transport.routed import RoutedTransport
     from megatron_xdistill.transport.routing import Route
 
     torch.cuda.set_device(0)
@@ -119,7 +119,7 @@ def test_dead_rank_leaks_no_gpu_memory(who_dies):
 def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     """fp32 on CUDA vs the float64 CPU reference: loss and gradient, rel 1e-5."""
     from megatron_xdistill.loss import parallel_kd_loss, reference
-    from megatron_xdistill.loss.common import common_vocab_from_dense, shift_chunk_ids
+    from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
     from megatron_xdistill.loss.synthetic import make_case
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 
@@ -129,12 +129,12 @@ def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
                         num_common=None if common[0] is None else common[0].numel())
     dev = torch.device(os.environ.get("XDISTILL_TEST_DEVICE", "cuda"))
-    payload = teacher_payload(case.teacher_logits.to(dev), shift_chunk_ids(case.teacher_chunk_id),
+    payload = teacher_payload(case.teacher_logits.to(dev), predicting_chunk_id(case.teacher_chunk_id),
                               spec, vocab_size=case.vt, temperature=1.5,
                               common_teacher_ids=None if common[1] is None else common[1].to(dev))
     logits = case.student_logits.to(dev).requires_grad_(True)
     terms = parallel_kd_loss(
-        logits, payload, shift_chunk_ids(case.student_chunk_id), case.chunk_valid,
+        logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
         case.chunk_exact, case.projection_rows(case.student_logits.shape[-1]),
         student_vocab_size=case.vs, mode=mode, temperature=1.5,
         common_student_ids=None if common[0] is None else common[0].to(dev),

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from megatron_xdistill.launch.cli import build_parser, main
-from megatron_xdistill.launch.layout import (
+from megatron_xdistill.launch.rank_env import (
     assign_ranks,
     forwarded_env,
     parse_entry_point,

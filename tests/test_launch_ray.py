@@ -33,7 +33,7 @@ from ray_entry_harness import (  # noqa: E402 - after the importorskip above
     wait_gone,
 )
 
-from megatron_xdistill.launch.layout import LAUNCH_ID_VAR  # noqa: E402
+from megatron_xdistill.launch.rank_env import LAUNCH_ID_VAR  # noqa: E402
 from megatron_xdistill.launch.runner import LaunchError, launch  # noqa: E402
 
 STEPS = 3

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_xdistill.loss import reference
-from megatron_xdistill.loss.common import common_vocab_from_dense, shift_chunk_ids
+from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
 from megatron_xdistill.loss.synthetic import make_case
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.parallel.context_parallel import restore_from_cp_parts
@@ -102,7 +102,7 @@ def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes:
         return t[..., at["tp"] * width: (at["tp"] + 1) * width].contiguous()
 
     def ids(t):
-        return slice_for_cp_rank(shift_chunk_ids(t)[samples], 1, at["cp"], cp)
+        return slice_for_cp_rank(predicting_chunk_id(t)[samples], 1, at["cp"], cp)
 
     rows = case.projection_rows(case.student_logits.shape[-1])
     shard = tuple(r[at["tp"] * vs_local: (at["tp"] + 1) * vs_local] for r in rows)
@@ -203,7 +203,7 @@ def _payload(case, config, n_dp: int) -> torch.Tensor:
     for d in range(n_dp):
         s = torch.arange(case.chunk_valid.shape[0])[d::n_dp]
         part = teacher_payload(
-            case.teacher_logits[s], shift_chunk_ids(case.teacher_chunk_id)[s],
+            case.teacher_logits[s], predicting_chunk_id(case.teacher_chunk_id)[s],
             _spec(case, config), vocab_size=case.vt, temperature=temp,
             common_teacher_ids=common[1]).to_flat()
         if flat is None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_xdistill.loss import reference
-from megatron_xdistill.loss.common import EPS, common_vocab_from_dense, shift_chunk_ids
+from megatron_xdistill.loss.common import EPS, common_vocab_from_dense, predicting_chunk_id
 from megatron_xdistill.loss.synthetic import make_case
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 
@@ -146,11 +146,11 @@ def test_gradcheck_float64(config):
     common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
                         num_common=None if common[0] is None else common[0].numel())
-    payload = teacher_payload(case.teacher_logits.double(), shift_chunk_ids(case.teacher_chunk_id),
+    payload = teacher_payload(case.teacher_logits.double(), predicting_chunk_id(case.teacher_chunk_id),
                               spec, vocab_size=case.vt, temperature=temp,
                               common_teacher_ids=common[1])
     rows = case.projection_rows(case.student_logits.shape[-1])
-    ids = shift_chunk_ids(case.student_chunk_id)
+    ids = predicting_chunk_id(case.student_chunk_id)
 
     def loss(logits):
         terms = parallel_kd_loss(
@@ -193,7 +193,7 @@ def test_compressed_form_is_a_bound_that_tightens_with_k(realistic):
 def test_tail_row_sums_match_dense_products(rows):
     """The tail's p.r and p * (b + a r) equal the dense products, whether the row sums are
     split into a constant plus exceptions (normalised rows, fp32 rounding included) or not."""
-    from megatron_xdistill.loss.modes import TailRowSums
+    from megatron_xdistill.loss.kernels import TailRowSums
 
     gen = torch.Generator().manual_seed(3)
     v = 0 if rows == "empty" else 400
@@ -218,7 +218,7 @@ def test_payload_rows_of_several_samples_are_gathered_not_copied_whole():
     """Routed payloads of several samples are a strided view into the flat rows; the loss
     gathers chunk rows from it without materialising the whole part (and gets the same rows
     as from a contiguous copy)."""
-    from megatron_xdistill.loss.modes import _rows_of
+    from megatron_xdistill.loss.kernels import _rows_of
     from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
 
     spec = PayloadSpec("full", 5, 7)

@@ -36,7 +36,7 @@ def test_plan_sends_each_sample_from_teacher_last_stage_to_student_last_stage():
 def _exchange(student: tuple, teacher: tuple, gbs: int, mbs: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_xdistill.transport.gloo import P2PTransport
+    from megatron_xdistill.transport.p2p import P2PTransport
 
     s_layout = ParallelLayout.for_world(WORLD, *student)
     t_layout = ParallelLayout.for_world(WORLD, *teacher)
@@ -71,11 +71,11 @@ def test_each_student_rank_receives_exactly_its_samples(pool, student, teacher):
         assert all(v == float(i) for i, v in samples.items())
 
 
-def _hybrid_steps(steps: int) -> dict:
+def _routed_steps(steps: int) -> dict:
     """Two "nodes" of two ranks (GROUP_RANK from the env): shm inside a node, gloo across."""
     import torch.distributed as dist
 
-    from megatron_xdistill.transport.hybrid import RoutedTransport, node_of_ranks
+    from megatron_xdistill.transport.routed import RoutedTransport, node_of_ranks
 
     student = ParallelLayout.for_world(WORLD, tp=2)  # dp 2: replicas {0,1} and {2,3}
     teacher = ParallelLayout.for_world(WORLD, tp=1, pp=2)  # senders: ranks 2 and 3
@@ -104,7 +104,7 @@ def test_two_nodes_use_shared_memory_within_and_p2p_across():
     env = [{"GROUP_RANK": str(r // 2), "LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2"}
            for r in range(WORLD)]
     with RankPool(WORLD, rank_env=env) as pool:
-        out = pool.run(_hybrid_steps, 3)
+        out = pool.run(_routed_steps, 3)
     assert out[0]["nodes"] == [0, 0, 1, 1]
     # Senders are ranks 2 and 3 (node 1); node 1's replica is served through shared memory,
     # node 0's across the "nodes"; node 0 has no same-node routes, so no slots there.
@@ -184,7 +184,7 @@ def test_shared_memory_slots_are_zero_copy_and_double_buffered(dtype):
 
 
 def test_nccl_groups_refuse_two_ranks_on_one_gpu():
-    from megatron_xdistill.transport.hybrid import check_one_rank_per_gpu
+    from megatron_xdistill.transport.routed import check_one_rank_per_gpu
 
     gpus = ["host-a/GPU-0", "host-a/GPU-1", "host-b/GPU-0", "host-a/GPU-1", None, None]
     check_one_rank_per_gpu([0, 1, 2], gpus)  # distinct GPUs (same UUID text on two hosts)

@@ -157,6 +157,8 @@ def predicting_chunk_id(chunk_id: torch.Tensor) -> torch.Tensor:
 
     Position ``i`` predicts token ``i + 1``, so a chunk with span ``[a, b)`` gets the predicting
     positions ``a - 1 .. b - 2`` (with a prepended BOS the first chunk uses the BOS position).
+    Apply it to the *full* sequence, then slice for a CP rank: that carries the shift across CP
+    boundaries. The loss takes chunk ids in this view.
     """
     out = torch.full_like(chunk_id, -1)
     out[..., :-1] = chunk_id[..., 1:]

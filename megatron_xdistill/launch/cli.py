@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 
 from megatron_xdistill.launch.config import DEFAULT_ENTRY_POINT, LaunchConfig
-from megatron_xdistill.launch.layout import forwarded_env, parse_entry_point
+from megatron_xdistill.launch.rank_env import forwarded_env, parse_entry_point
 
 _EPILOG = """\
 Each rank is a Ray actor that calls the entry point in-process with the environment torchrun

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from megatron_xdistill.launch.config import LaunchConfig
-from megatron_xdistill.launch.layout import (
+from megatron_xdistill.launch.rank_env import (
     LAUNCH_ID_VAR,
     RankSpec,
     assign_ranks,

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 
 from megatron_xdistill.launch.capture import Batch, LineCapture
-from megatron_xdistill.launch.layout import LAUNCH_ID_VAR, parse_entry_point
+from megatron_xdistill.launch.rank_env import LAUNCH_ID_VAR, parse_entry_point
 
 
 class RankWorker:

@@ -45,7 +45,7 @@ fused vocab-parallel CE (T = 1; one pass with the KD, and unlike Megatron's
 Chunk ids and CP: both sides take *predicting* chunk ids per local position. The runtime shifts the
 full-sequence alignment ids, then slices them like the tokens::
 
-    pred = shift_chunk_ids(student_chunk_id)          # [B, T_full], pred[:, i] = ids[:, i + 1]
+    pred = predicting_chunk_id(student_chunk_id)      # [B, T_full], pred[:, i] = ids[:, i + 1]
     local = slice_for_cp_rank(pred, 1, cp_rank, cp)    # parallel.context_parallel
 
 (the same for the teacher with its own CP), which handles shifts across CP boundaries for free.
@@ -68,7 +68,7 @@ partial sums take one TP all-reduce (after all blocks for "topk"/"chunk_topk", p
 reduction (recomputed, not stored) and one [block] TP all-reduce (P-KL).
 """
 
-from .common import EPS, UNCOMMON_TOPK, common_vocab_from_dense, shift_chunk_ids
+from .common import EPS, UNCOMMON_TOPK, common_vocab_from_dense, predicting_chunk_id
 from .payload import PayloadSpec, TeacherPayload
 from .reference import kd_loss
 from .shard import ProjectionShard
@@ -90,7 +90,7 @@ __all__ = [
     "kd_loss",
     "parallel_kd_loss",
     "payload_spec",
-    "shift_chunk_ids",
+    "predicting_chunk_id",
     "teacher_payload",
     "total_loss",
 ]

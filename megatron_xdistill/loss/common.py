@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_xdistill.align.pack import predicting_chunk_id  # noqa: F401 (the loss's API)
 from megatron_xdistill.projection.common_vocab import common_vocab
 
 #: Added inside ``log`` of the student's projected chunk distribution (as NeMo-RL does), so a
@@ -17,17 +18,6 @@ UNCOMMON_TOPK = 8192
 
 MODES = ("pkl", "gold", "hkl")
 GOLD_RULES = {"gold": "strict", "hkl": "xtoken"}
-
-
-def shift_chunk_ids(chunk_id: torch.Tensor) -> torch.Tensor:
-    """Predicting chunk id per position: ``out[..., i] = chunk_id[..., i + 1]``, last = -1.
-
-    Position ``i``'s logits predict token ``i + 1`` (DESIGN.md, "Next-token shift"). Apply it to
-    the *full* sequence, then slice for a CP rank: that carries the shift across CP boundaries.
-    """
-    out = torch.full_like(chunk_id, -1)
-    out[..., :-1] = chunk_id[..., 1:]
-    return out
 
 
 def check_mode(mode: str) -> None:

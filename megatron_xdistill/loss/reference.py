@@ -25,7 +25,7 @@ from .common import (
     check_mode,
     common_vocab_from_dense,
     gold_uncommon_len,
-    shift_chunk_ids,
+    predicting_chunk_id,
 )
 from .formulas import chunk_topk_columns, gold_kl, projected_kl
 
@@ -45,7 +45,7 @@ class ReferenceDetails:
 
 def _membership(chunk_id: torch.Tensor, num_chunks: int) -> torch.Tensor:
     """One-hot [B, C, T]: position t predicts chunk c."""
-    ids = shift_chunk_ids(chunk_id)
+    ids = predicting_chunk_id(chunk_id)
     return (ids[:, None, :] == torch.arange(num_chunks)[None, :, None]).float()
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .chunks import ChunkRows, build_chunk_rows
+from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
 from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
-from .modes import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
+from .kernels import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 from .workspace import scratch

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .chunks import ChunkRows, build_chunk_rows
+from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
 from .common import TINY, UNCOMMON_TOPK
 from .payload import PayloadSpec, TeacherPayload

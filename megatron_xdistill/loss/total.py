@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .collectives import Group, all_reduce
-from .common import shift_chunk_ids
+from .common import predicting_chunk_id
 from .student import KDTerms
 
 
@@ -25,7 +25,7 @@ def counted_chunks(student_chunk_id: torch.Tensor, teacher_chunk_id: torch.Tenso
     get the global N_chunks of a whole global batch up front).
     """
     out = chunk_valid.bool().clone()
-    for ids in (shift_chunk_ids(student_chunk_id), shift_chunk_ids(teacher_chunk_id)):
+    for ids in (predicting_chunk_id(student_chunk_id), predicting_chunk_id(teacher_chunk_id)):
         has = torch.zeros_like(out)
         b, c = torch.nonzero(ids >= 0, as_tuple=True)
         has[b, ids[b, c]] = True

@@ -13,6 +13,8 @@ API for the training runtime::
     #   or: config, info = config_from_hf(hf_config_or_dir, tp, pp, cp, dtype)
     model = build_gpt_model(info, config, pre_process, post_process,
                             pg_collection=pgs, vp_stage=None)   # GPTModel for this stage
+    #   or, seeded, at a ModelParallelGroups' layout and stage:
+    #   model, config = build_model_for_layout(info, groups, dtype, seed)
     load_megatron_checkpoint(model, ckpt_dir, pg_collection=pgs)  # any TP/PP
     save_megatron_checkpoint(model, out_dir, info, pg_collection=pgs)  # atomic
     keep_hf_files(run_root, load_dir)  # tokenizer/config next to a run: export needs no template
@@ -34,12 +36,20 @@ mcore_compat.install()
 
 from megatron_xdistill.models.builder import (  # noqa: E402
     build_gpt_model,
+    build_model_for_layout,
     check_layout,
     config_from_hf,
     torch_dtype,
     transformer_config,
 )
-from megatron_xdistill.models.checkpoint import (  # noqa: E402
+from megatron_xdistill.models.hf_config import (  # noqa: E402
+    SUPPORTED_ARCHITECTURES,
+    ModelInfo,
+    RopeScaling,
+    UnsupportedModelError,
+    model_info_from_hf,
+)
+from megatron_xdistill.models.model_checkpoint import (  # noqa: E402
     HF_FILES_DIR,
     MODEL_INFO_FILE,
     CheckpointError,
@@ -55,13 +65,6 @@ from megatron_xdistill.models.checkpoint import (  # noqa: E402
     save_model_info,
     sharded_model_state_dict,
 )
-from megatron_xdistill.models.hf_config import (  # noqa: E402
-    SUPPORTED_ARCHITECTURES,
-    ModelInfo,
-    RopeScaling,
-    UnsupportedModelError,
-    model_info_from_hf,
-)
 
 __all__ = [
     "HF_FILES_DIR",
@@ -72,6 +75,7 @@ __all__ = [
     "RopeScaling",
     "UnsupportedModelError",
     "build_gpt_model",
+    "build_model_for_layout",
     "check_layout",
     "config_from_hf",
     "copy_hf_files",

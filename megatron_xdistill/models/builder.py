@@ -226,6 +226,32 @@ def build_gpt_model(
     return model
 
 
+def build_model_for_layout(
+    info: ModelInfo,
+    groups: Any,
+    dtype: torch.dtype,
+    seed: int = 1234,
+    use_te: bool | None = None,
+    **config_overrides: Any,
+) -> tuple[GPTModel, TransformerConfig]:
+    """(GPTModel of this rank's stage, its TransformerConfig) in ``groups``' layout
+    (:class:`~megatron_xdistill.parallel.layout.ModelParallelGroups`): Megatron's RNG seeded for
+    this TP rank, the config for the layout, the model built. The one sequence that training,
+    evaluation, conversion and the benchmarks share; ``config_overrides`` go to
+    :func:`transformer_config` (e.g. ``perform_initialization=False`` before a load)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    layout = groups.layout
+    model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
+                                    force_reset_rng=True)
+    config = transformer_config(info, layout.tp, layout.pp, layout.cp, dtype,
+                                **config_overrides)
+    model = build_gpt_model(info, config, pre_process=groups.is_first_stage,
+                            post_process=groups.is_last_stage,
+                            pg_collection=groups.pg_collection, use_te=use_te)
+    return model, config
+
+
 def _pp_rank(pg_collection: ProcessGroupCollection | None) -> int:
     if pg_collection is None:
         return parallel_state.get_pipeline_model_parallel_rank()

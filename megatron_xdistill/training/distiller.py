@@ -12,7 +12,7 @@ batch), so every layout computes the same loss and gradients.
 
 Disaggregated placement (``--teacher-placement disaggregated --teacher-ranks N``): the last N
 ranks hold only the teacher (its layout spans those N ranks), the others only the student. Teacher
-ranks run step 1 and send the payloads without waiting (transport.hybrid.RoutedStream: shared
+ranks run step 1 and send the payloads without waiting (transport.routed.RoutedStream: shared
 memory / CUDA IPC slots within a node, gloo / NCCL point-to-point across nodes), so they compute
 global batch k+1 while the student ranks run step 3 on batch k; student ranks receive batch k's
 payloads (posted one step ahead) and run step 3. The payloads are the same numbers as colocated,
@@ -44,7 +44,6 @@ from megatron.core.distributed import (  # noqa: E402
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 from megatron_xdistill.data.dataset import collate_samples  # noqa: E402
 from megatron_xdistill.loss import total_loss  # noqa: E402
@@ -57,13 +56,13 @@ from megatron_xdistill.parallel.layout import (  # noqa: E402
 from megatron_xdistill.parallel.placement import Placement  # noqa: E402
 from megatron_xdistill.training import arguments, kd_adapter  # noqa: E402
 from megatron_xdistill.training.lr_schedule import build_lr_scheduler  # noqa: E402
-from megatron_xdistill.transport.hybrid import (  # noqa: E402
+from megatron_xdistill.transport.liveness import PeerWatch, default_store  # noqa: E402
+from megatron_xdistill.transport.routed import (  # noqa: E402
     RoutedStream,
     RoutedTransport,
     check_one_rank_per_gpu,
     gpu_of_ranks,
 )
-from megatron_xdistill.transport.liveness import PeerWatch, default_store  # noqa: E402
 from megatron_xdistill.transport.routing import (  # noqa: E402
     routing_plan,
     student_replica_of,
@@ -230,8 +229,8 @@ class Distiller:
                              if self.reads_cache else models_api.load_model_info(args.teacher_load))
         self.teacher = self.teacher_config = None
         if self.has_teacher:
-            self.teacher, self.teacher_config = self._build(
-                models_api, self.teacher_info, self.teacher_groups, dtype, seed=args.seed,
+            self.teacher, self.teacher_config = models_api.build_model_for_layout(
+                self.teacher_info, self.teacher_groups, dtype, seed=args.seed,
                 **arguments.model_options(args, "teacher"))
             models_api.load_megatron_checkpoint(self.teacher, args.teacher_load,
                                                 self.teacher_groups.pg_collection,
@@ -248,7 +247,7 @@ class Distiller:
         if placement.disaggregated:
             _world_gathers_of_student_setup(self.has_student)
 
-        self.kd = kd_adapter.KDLoss(args, self.student_info, self.teacher_info,
+        self.kd = kd_adapter.KDObjective(args, self.student_info, self.teacher_info,
                                     self.student_groups, self.teacher_groups, log=log)
         self.routes = routing_plan(args.global_batch_size, args.micro_batch_size,
                                    self.student_layout, self.teacher_layout,
@@ -291,9 +290,9 @@ class Distiller:
     def _build_student(self, models_api, dtype, init_weights: bool) -> None:
         """Student: DDP + Megatron optimizer + LR schedule."""
         args = self.args
-        model, self.student_config = self._build(models_api, self.student_info,
-                                                 self.student_groups, dtype, seed=args.seed,
-                                                 **arguments.model_options(args, "student"))
+        model, self.student_config = models_api.build_model_for_layout(
+            self.student_info, self.student_groups, dtype, seed=args.seed,
+            **arguments.model_options(args, "student"))
         if init_weights:  # else a training checkpoint is restored by resume()
             models_api.load_megatron_checkpoint(model, args.load, self.student_groups.pg_collection,
                                                 process_group=self.student_world)
@@ -326,19 +325,6 @@ class Distiller:
             pg_collection=self.student_groups.pg_collection,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, args)
-
-    # ------------------------------------------------------------------ construction
-    def _build(self, models_api, info, groups: ModelParallelGroups, dtype, seed: int,
-               **overrides):
-        layout = groups.layout
-        model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0,
-                                        etp_rank=0, force_reset_rng=True)
-        config = models_api.transformer_config(info, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                                               dtype=dtype, **overrides)
-        model = models_api.build_gpt_model(info, config, pre_process=groups.is_first_stage,
-                                           post_process=groups.is_last_stage,
-                                           pg_collection=groups.pg_collection)
-        return model, config
 
     # ------------------------------------------------------------------ step pieces
     def _model_inputs(self, tokens: torch.Tensor, groups: ModelParallelGroups

@@ -17,7 +17,7 @@ from megatron_xdistill.loss import (
     counted_chunks,
     parallel_kd_loss,
     payload_spec,
-    shift_chunk_ids,
+    predicting_chunk_id,
     teacher_payload,
 )
 from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
@@ -52,7 +52,7 @@ def load_or_build_projection(args, log=print):
     return build_projection(args.tokenizer_model, args.teacher_tokenizer_model, BuildOptions())
 
 
-class KDLoss:
+class KDObjective:
     """The loss configuration of a run, bound to the student's and the teacher's layouts."""
 
     def __init__(self, args, student_info, teacher_info, student: ModelParallelGroups,
@@ -102,7 +102,7 @@ class KDLoss:
         """Flat payload rows [b, numel] of one teacher microbatch (teacher's last stage)."""
         groups = self.teacher
         width = logits.shape[1] * groups.layout.cp
-        pred = shift_chunk_ids(batch["teacher_chunk_id"])[:, :width]
+        pred = predicting_chunk_id(batch["teacher_chunk_id"])[:, :width]
         pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
         payload = teacher_payload(
             logits.float(), pred, self.spec, vocab_size=self.teacher_vocab,
@@ -131,7 +131,7 @@ class KDLoss:
         payload = pred = None
         if with_kd:
             payload = TeacherPayload.from_flat(batch["payload"], self.spec)
-            pred = shift_chunk_ids(batch["student_chunk_id"])[:, :width]
+            pred = predicting_chunk_id(batch["student_chunk_id"])[:, :width]
             pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
         return parallel_kd_loss(
             logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,

@@ -3,7 +3,7 @@
 With ``--teacher-placement disaggregated`` teacher ranks and student ranks are different
 processes, so the teacher can compute global batch k+1 while the student trains on batch k.
 :class:`P2PStream` carries the routes between nodes (ranks of one node use the slot stream of
-:mod:`.slot_stream`; :class:`~.hybrid.RoutedStream` picks per route):
+:mod:`.slot_stream`; :class:`~.routed.RoutedStream` picks per route):
 
 * the teacher packs the rows it owes each student rank into a persistent send buffer (one per
   destination and slot, slot = step % 2) and posts non-blocking sends, then moves on to the next

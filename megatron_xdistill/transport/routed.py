@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_xdistill.transport.gloo import P2PTransport
+from megatron_xdistill.transport.p2p import P2PTransport
 from megatron_xdistill.transport.routing import Route
 from megatron_xdistill.transport.shm import SharedMemorySlots
 from megatron_xdistill.transport.slot_stream import SlotStream

@@ -3,7 +3,7 @@
 Same-rank routes are plain references (no copy); the rest go as one batch of isend/irecv per
 step. Payloads are flat tensors of a size every rank knows in advance (the plan is from sizes).
 Gloo between CPU processes; between GPUs on different nodes the same code runs over an NCCL
-group with device buffers (see :mod:`.hybrid`, which builds that group).
+group with device buffers (see :mod:`.routed`, which builds that group).
 """
 
 from __future__ import annotations
