@@ -82,6 +82,12 @@ def _run_main(argv: list[str]) -> int:
     return main(argv)
 
 
+def _process_group_count() -> int:
+    import torch.distributed as dist
+
+    return len(dist.distributed_c10d._world.pg_map)
+
+
 def _losses(root: Path, name: str) -> list[tuple[float, float]]:
     records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
     return [(r["kd"], r["ce"]) for r in records if "kd" in r]
@@ -115,11 +121,24 @@ LAYOUTS = {
 }
 
 
+#: Every run that evaluates does it as the reference run: the training file, one global batch,
+#: after every step (and before the first).
+EVAL_EVERY_STEP = ["--eval-interval", "1", "--eval-iters", "1"]
+
+
 def reference_losses(root: Path, s_tok: Path, t_tok: Path) -> list[tuple[float, float]]:
-    """The single-rank (colocated) run's first losses: what every layout must reproduce."""
+    """The single-rank (colocated) run's first losses: what every layout must reproduce. The run
+    also evaluates after every step (:func:`_evals`; evaluation leaves training unchanged)."""
     with RankPool(1) as pool:
-        pool.run(_run_main, _argv(root, s_tok, t_tok, "ref", []))
+        pool.run(_run_main, _argv(root, s_tok, t_tok, "ref", [
+            "--valid-data-path", str(root / "train.jsonl"), *EVAL_EVERY_STEP]))
     return _losses(root, "ref")
+
+
+def _evals(root: Path, name: str) -> dict[int, float]:
+    """Held-out CE by iteration of a run's metrics file."""
+    records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["eval_ce"] for r in records if "eval_ce" in r}
 
 
 def assert_losses_match(got: list, reference: list, name: str) -> None:
@@ -133,10 +152,13 @@ def assert_losses_match(got: list, reference: list, name: str) -> None:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_first_steps_match_reference(e2e_setup, e2e_reference, e2e_pool, name):
     root, s_tok, t_tok = e2e_setup
+    groups_before = e2e_pool.run(_process_group_count)
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, name, LAYOUTS[name]))
     assert_losses_match(_losses(root, name), e2e_reference, name)
-    # The ranks live on (a pool): the run itself released its shared-memory payload slots.
+    # The ranks live on (a pool): the run itself released its shared-memory payload slots and
+    # its process groups (each gloo group keeps threads and sockets).
     assert not glob.glob("/dev/shm/xdistill_*"), "shared memory left behind by the run"
+    assert e2e_pool.run(_process_group_count) == groups_before, "process groups left behind"
 
 
 def test_gemma3_teacher_in_parallel_layouts_matches_single_rank(e2e_setup, e2e_pool, tmp_path):
@@ -248,27 +270,21 @@ def test_teacher_length_is_derived_from_the_data(e2e_setup, e2e_pool):
 def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_reference,
                                                                   e2e_pool):
     """With --overlap-param-gather the parameters of step k+1 arrive during its forward. A run
-    that evaluates after every step, stops at step 1 and resumes gives the reference's losses
-    and the evaluations of the same run without overlap. (Evaluation and saves gather the
-    parameters whole first, as Megatron-LM does; this check also passes without that, since
-    the evaluation forward waits for the gathers and a resume restores the optimizer's own
-    parameter copy, so it shows the overlapped run is right, not that the gather is needed.)"""
+    that evaluates after every step, stops at step 1 and resumes gives the single-rank
+    reference's losses and evaluations. (Evaluation and saves gather the parameters whole first,
+    as Megatron-LM does; this check also passes without that, since the evaluation forward waits
+    for the gathers and a resume restores the optimizer's own parameter copy, so it shows the
+    overlapped run is right, not that the gather is needed.)"""
     root, s_tok, t_tok = e2e_setup
     common = ["--use-distributed-optimizer", "--valid-data-path", str(root / "train.jsonl"),
-              "--eval-interval", "1", "--eval-iters", "1"]
-    overlap = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "200000"]
-    save = ["--save", str(root / "overlap_run"), "--save-interval", "1"]
+              *EVAL_EVERY_STEP, "--overlap-grad-reduce", "--overlap-param-gather",
+              "--ddp-bucket-size", "200000", "--save", str(root / "overlap_run"),
+              "--save-interval", "1"]
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "overlap_run",
-                                  common + overlap + save + ["--exit-interval", "1"]))
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "overlap_run", common + overlap + save))
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "plain_run", common))
+                                  common + ["--exit-interval", "1"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "overlap_run", common))
     assert_losses_match(_losses(root, "overlap_run"), e2e_reference, "overlapped, resumed")
-
-    def evals(name):
-        records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
-        return {r["iteration"]: r["eval_ce"] for r in records if "eval_ce" in r}
-
-    got, want = evals("overlap_run"), evals("plain_run")
+    got, want = _evals(root, "overlap_run"), _evals(root, "ref")
     assert sorted(got) == sorted(want) == list(range(STEPS + 1))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=RTOL), f"eval after step {step}"
