@@ -126,6 +126,22 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
 
 
 @pytest.fixture(scope="module")
+def pools():
+    """``pools(world)``: one RankPool per world size for the whole module (runs release their
+    process groups, so a pool serves every run; a pool that lost a rank is replaced)."""
+    started: dict[int, RankPool] = {}
+
+    def pool(world: int) -> RankPool:
+        if world not in started or not started[world].alive:
+            started[world] = RankPool(world)
+        return started[world]
+
+    yield pool
+    for ranks in started.values():
+        ranks.close()
+
+
+@pytest.fixture(scope="module")
 def first_batch(e2e_setup):
     return _first_global_batch(*e2e_setup)
 
@@ -150,11 +166,11 @@ FORMS = {
 
 
 @pytest.mark.parametrize("name", list(FORMS))
-def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, first_batch, name):
+def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, first_batch, pools,
+                                                                   name):
     root, s_tok, t_tok = e2e_setup
     world, flags, kd = FORMS[name]
-    with RankPool(world) as pool:
-        pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, f"ref_{name}", flags))
+    pools(world).run(_run_main, _one_step_argv(root, s_tok, t_tok, f"ref_{name}", flags))
     [(got_kd, got_ce)] = _losses(root, f"ref_{name}")
     with torch.no_grad():
         _, want_kd, want_ce = reference_step(root, first_batch, _hf(root / "student_hf"), kd,
@@ -164,12 +180,11 @@ def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, fir
     assert got_ce == pytest.approx(want_ce, rel=RTOL), name
 
 
-def test_bf16_run_trains_near_the_fp32_reference(e2e_setup, first_batch):
+def test_bf16_run_trains_near_the_fp32_reference(e2e_setup, first_batch, pools):
     """--bf16 (weights and activations in bf16, softmax/KL in fp32): the first step's losses
     are the fp32 reference's within bf16 resolution, and the step moves the parameters."""
     root, s_tok, t_tok = e2e_setup
-    with RankPool(2) as pool:
-        pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, "ref_bf16",
+    pools(2).run(_run_main, _one_step_argv(root, s_tok, t_tok, "ref_bf16",
                                            ["--bf16", "--tensor-model-parallel-size", "2"]))
     [(got_kd, got_ce)] = _losses(root, "ref_bf16")
     with torch.no_grad():
@@ -219,16 +234,14 @@ def _reference_update(student, adam: bool) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_one_optimizer_step_equals_the_dense_reference_step(e2e_setup, first_batch, tmp_path,
-                                                            name):
+                                                            pools, name):
     root, s_tok, t_tok = e2e_setup
     world, flags, dynamic_group = LAYOUTS[name]
     adam = "adam" in flags
     run_dir = tmp_path / "run"
-    with RankPool(world) as pool:
-        pool.run(_run_main, _one_step_argv(root, s_tok, t_tok, f"step_{name}",
-                                           [*PLAIN, "--save", str(run_dir), *flags]))
-    with RankPool(1) as pool:
-        pool.run(_export, run_dir, tmp_path / "hf")
+    pools(world).run(_run_main, _one_step_argv(root, s_tok, t_tok, f"step_{name}",
+                                               [*PLAIN, "--save", str(run_dir), *flags]))
+    pools(1).run(_export, run_dir, tmp_path / "hf")
     [(got_kd, got_ce)] = _losses(root, f"step_{name}")
     record = json.loads((root / f"step_{name}.jsonl").read_text().splitlines()[-1])
     assert record["lr"] == (ADAM_LR if adam else LR) and record["skipped"] == 0
