@@ -44,6 +44,27 @@ def test_readers_agree_across_formats(tmp_path):
     assert read_documents(str(tmp_path / "d.txt")) == ["whole file"]
 
 
+def test_parquet_reads_the_text_column_only(tmp_path, monkeypatch):
+    """A corpus with other columns (ids, metadata, embeddings) costs only its text to read; a
+    missing text column is named with the columns there are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["a doc", "another"]
+    pq.write_table(pa.table({"id": [1, 2], "text": texts, "blob": [b"x" * 1000, b"y" * 1000]}),
+                   tmp_path / "d.parquet")
+    read = []
+    real = pq.read_table
+    monkeypatch.setattr(pq, "read_table", lambda path, columns=None, **kw: (
+        read.append(columns), real(path, columns=columns, **kw))[1])
+    assert read_documents(str(tmp_path / "d.parquet")) == texts
+    assert read == [["text"]]
+    with pytest.raises(ValueError, match=r"d.parquet: no column 'body' \(columns: \['id', 'text', "
+                                         r"'blob'\]\); use --text-field"):
+        read_documents(str(tmp_path / "d.parquet"), "body")
+    assert read == [["text"]]  # refused from the schema, before any data is read
+
+
 def test_bad_inputs_name_file_and_field(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"body": "x"}\n')

@@ -106,7 +106,10 @@ def _read_table(path: str, field: str, kind: str) -> list[str]:
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path, columns=None)
+        names = pq.read_schema(path).names
+        if field not in names:
+            raise ValueError(f"{path}: no column {field!r} (columns: {names}); use --text-field")
+        table = pq.read_table(path, columns=[field])  # the text only: no other column is read
     else:
         import pyarrow.ipc as ipc
 
