@@ -173,3 +173,37 @@ def test_packed_samples_fit_and_cover_all_text(aligner, tmp_path):
         assert sorted(blob.files) == ["key", "pieces", "sample_offsets", "version"]
     path.write_bytes(path.read_bytes()[:100])  # a cut-short cache file is built again
     assert load_plan(str(path), plan.key) is None
+
+
+def test_globs_and_hf_datasets_folders_in_the_data_path(tmp_path):
+    """Unweighted --data-path items may be globs (sorted matches) or `datasets` save_to_disk
+    folders (their Arrow files, read through the stream reader); a DatasetDict folder, a plain
+    folder, a glob with no match and a glob with a weight are refused by name."""
+    import pyarrow as pa
+
+    for i in (2, 1):
+        _docs_jsonl(tmp_path, [f"shard {i}"], name=f"shard-{i}.jsonl")
+    ds = tmp_path / "hf_ds"
+    ds.mkdir()
+    table = pa.table({"text": ["from arrow 0", "from arrow 1"], "id": [0, 1]})
+    with pa.OSFile(str(ds / "data-00000-of-00001.arrow"), "wb") as sink:
+        with pa.ipc.new_stream(sink, table.schema) as writer:  # the layout `datasets` writes
+            writer.write_table(table)
+    (ds / "state.json").write_text(json.dumps({"_data_files": [
+        {"filename": "data-00000-of-00001.arrow"}]}))
+    sources = parse_data_path([str(tmp_path / "shard-*.jsonl"), str(ds)])
+    assert [Path(s.path).name for s in sources] == [
+        "shard-1.jsonl", "shard-2.jsonl", "data-00000-of-00001.arrow"]
+    assert [d for s in sources for d in read_documents(s.path)] == [
+        "shard 1", "shard 2", "from arrow 0", "from arrow 1"]
+
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(ValueError, match=r"DatasetDict with splits \['train', 'test'\]; pass one"):
+        parse_data_path([str(tmp_path / "dd")])
+    with pytest.raises(ValueError, match="not a Hugging Face datasets folder"):
+        parse_data_path([str(tmp_path)])
+    with pytest.raises(FileNotFoundError, match=r"no file matches .*nothing-\*\.jsonl"):
+        parse_data_path([str(tmp_path / "nothing-*.jsonl")])
+    with pytest.raises(ValueError, match="read without weights only"):
+        parse_data_path(["0.5", str(tmp_path / "shard-*.jsonl"), "0.5", str(ds)])

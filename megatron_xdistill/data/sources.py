@@ -2,11 +2,14 @@
 
 ``--data-path`` follows Megatron-LM: either paths (``a.jsonl b.parquet``: all documents of all
 files) or weight/path pairs (``0.7 a.jsonl 0.3 b.parquet``: documents drawn in that proportion).
+Without weights a path may also be a glob (``shards/*.parquet``) or a Hugging Face ``datasets``
+folder written by ``save_to_disk`` (its Arrow files; a DatasetDict folder names its splits).
 Every reader names the file, the record and the field when the input is not what it should be.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Sequence
@@ -56,8 +59,12 @@ def parse_data_path(items: Sequence[str], flag: str = "--data-path") -> list[Dat
         for item in items:
             if _is_number(item):
                 raise ValueError(f"{flag}: give weights for every file or for none ({items})")
-        sources = [DataSource(path) for path in items]
+        sources = [DataSource(path) for item in items for path in expand_path(item, flag)]
     for source in sources:
+        if _GLOB_CHARS.intersection(source.path) and not Path(source.path).exists() or (
+                Path(source.path).is_dir()):
+            raise ValueError(f"{flag}: {source.path} is a glob or a folder; those are read "
+                             f"without weights only (give one file per weight)")
         if not Path(source.path).is_file():
             raise FileNotFoundError(f"{flag}: no such file: {source.path}")
         if Path(source.path).suffix.lower() not in SUFFIXES:
@@ -127,6 +134,35 @@ def _read_table(path: str, field: str, kind: str) -> list[str]:
     if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
         raise ValueError(f"{path}: column {field!r} must hold strings, got {column.type}")
     return [value if value is not None else "" for value in column.to_pylist()]
+
+
+_GLOB_CHARS = frozenset("*?[")
+
+
+def expand_path(item: str, flag: str = "--data-path") -> list[str]:
+    """The files one unweighted ``--data-path`` item stands for: itself, the sorted matches of a
+    glob, or the Arrow files of a Hugging Face ``datasets`` folder (``save_to_disk``)."""
+    path = Path(item)
+    if path.is_dir():
+        state = path / "state.json"
+        if state.is_file():
+            files = [f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+            if not files:
+                raise ValueError(f"{flag}: {state} lists no data files")
+            return [str(path / name) for name in files]
+        splits = path / "dataset_dict.json"
+        if splits.is_file():
+            names = json.loads(splits.read_text()).get("splits", [])
+            raise ValueError(f"{flag}: {item} is a DatasetDict with splits {names}; pass one "
+                             f"split's folder, e.g. {path / (names[0] if names else 'train')}")
+        raise ValueError(f"{flag}: {item} is a folder but not a Hugging Face datasets folder "
+                         f"(no state.json); pass its files or a glob such as {path / '*.jsonl'}")
+    if _GLOB_CHARS.intersection(item) and not path.exists():
+        matches = sorted(p for p in glob.glob(item) if os.path.isfile(p))
+        if not matches:
+            raise FileNotFoundError(f"{flag}: no file matches {item}")
+        return matches
+    return [item]
 
 
 def read_documents(path: str, text_field: str = "text") -> list[str]:
