@@ -24,6 +24,10 @@ SUFFIXES = {
 }
 
 
+#: characters that make a --data-path item a glob (when no file has that name)
+_GLOB_CHARS = frozenset("*?[")
+
+
 @dataclass(frozen=True)
 class DataSource:
     """One input file and its blending weight (None: weight by document count)."""
@@ -54,6 +58,9 @@ def parse_data_path(items: Sequence[str], flag: str = "--data-path") -> list[Dat
                 raise ValueError(f"{flag}: expected a weight before {path!r}, got {weight!r}")
             if float(weight) <= 0:
                 raise ValueError(f"{flag}: weight of {path!r} must be > 0, got {weight}")
+            if _GLOB_CHARS.intersection(path) and not Path(path).exists() or Path(path).is_dir():
+                raise ValueError(f"{flag}: {path} is a glob or a folder; those are read "
+                                 f"without weights only (give one file per weight)")
             sources.append(DataSource(path, float(weight)))
     else:
         for item in items:
@@ -61,10 +68,6 @@ def parse_data_path(items: Sequence[str], flag: str = "--data-path") -> list[Dat
                 raise ValueError(f"{flag}: give weights for every file or for none ({items})")
         sources = [DataSource(path) for item in items for path in expand_path(item, flag)]
     for source in sources:
-        if _GLOB_CHARS.intersection(source.path) and not Path(source.path).exists() or (
-                Path(source.path).is_dir()):
-            raise ValueError(f"{flag}: {source.path} is a glob or a folder; those are read "
-                             f"without weights only (give one file per weight)")
         if not Path(source.path).is_file():
             raise FileNotFoundError(f"{flag}: no such file: {source.path}")
         if Path(source.path).suffix.lower() not in SUFFIXES:
@@ -134,9 +137,6 @@ def _read_table(path: str, field: str, kind: str) -> list[str]:
     if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
         raise ValueError(f"{path}: column {field!r} must hold strings, got {column.type}")
     return [value if value is not None else "" for value in column.to_pylist()]
-
-
-_GLOB_CHARS = frozenset("*?[")
 
 
 def expand_path(item: str, flag: str = "--data-path") -> list[str]:

@@ -248,7 +248,7 @@ class Distiller:
             _world_gathers_of_student_setup(self.has_student)
 
         self.kd = kd_adapter.KDObjective(args, self.student_info, self.teacher_info,
-                                    self.student_groups, self.teacher_groups, log=log)
+                                         self.student_groups, self.teacher_groups, log=log)
         self.routes = routing_plan(args.global_batch_size, args.micro_batch_size,
                                    self.student_layout, self.teacher_layout,
                                    placement.student_offset, placement.teacher_offset)
