@@ -27,7 +27,7 @@ net of .grad as a share of the logits):
 
 Gold / H-KL and the exact form (all of V_t), 4,096 tokens, V_s = 49,152, A/B on the same machine
 state (the study paused; 2026-11-25): before = commit be3baac, after = the image projection
-(``loss/image_projection.py``) and NumPy's sort of the uncommon values (``loss/sorted_top.py``):
+(``loss/image_projection.py``, commit 1427b4b, before 0d398ef made the exact form's per-row teacher terms fp64 sums) and NumPy's sort of the uncommon values (``loss/sorted_top.py``):
 
   threads  form   before x CE  after x CE   extra / logits (after)
   1        full      18.7         13.3         33%  (Numba's runtime, ~0.1 GiB, counts here)
