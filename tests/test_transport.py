@@ -8,15 +8,30 @@ import pytest
 import torch
 
 from megatron_xdistill.parallel.layout import ParallelLayout
-from megatron_xdistill.testing.multirank import RankPool
-from megatron_xdistill.transport.routing import (
-    layout_rank,
-    routing_plan,
+from megatron_xdistill.parallel.sample_owners import (
     student_replica_of,
-    teacher_samples,
+    student_samples,
+    teacher_block,
 )
+from megatron_xdistill.testing.multirank import RankPool
+from megatron_xdistill.transport.routing import layout_rank, routing_plan, teacher_samples
 
 WORLD = 4
+
+
+@pytest.mark.parametrize("gbs,mbs,dp", [(8, 2, 2), (12, 1, 3), (8, 4, 1), (16, 2, 4)])
+def test_sample_owners_follow_megatrons_sampler(gbs, mbs, dp):
+    """Student: Megatron's pretraining sampler takes mbs x dp consecutive samples per step of the
+    schedule and gives DP rank r the slice [r * mbs, (r + 1) * mbs); teacher: contiguous blocks."""
+    for rank in range(dp):
+        megatron = []
+        for start in range(0, gbs, mbs * dp):
+            megatron += list(range(start + rank * mbs, start + (rank + 1) * mbs))
+        assert student_samples(gbs, mbs, dp, rank) == megatron
+        assert all(student_replica_of(i, mbs, dp) == (rank, k // mbs)
+                   for k, i in enumerate(megatron))
+    blocks = [teacher_block(gbs, dp, r) for r in range(dp)]
+    assert sum(blocks, []) == list(range(gbs)) and len({len(b) for b in blocks}) == 1
 
 
 def test_plan_sends_each_sample_from_teacher_last_stage_to_student_last_stage():

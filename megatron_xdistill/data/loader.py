@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from megatron_xdistill.parallel.layout import ParallelLayout
-from megatron_xdistill.transport.routing import student_replica_of, teacher_replica_of
+from megatron_xdistill.parallel.sample_owners import student_samples, teacher_block
 
 
 class StepSampler(torch.utils.data.Sampler):
@@ -25,13 +25,13 @@ class StepSampler(torch.utils.data.Sampler):
         self.num_samples = num_samples
         self.step = start_step
         self.gbs = global_batch_size
-        self.local = sorted(
-            i for i in range(global_batch_size)
-            if (student_dp_rank is not None
-                and student_replica_of(i, micro_batch_size, student.dp)[0] == student_dp_rank)
-            or (teacher_dp_rank is not None
-                and teacher_replica_of(i, global_batch_size, teacher.dp) == teacher_dp_rank)
-        )
+        mine = set()
+        if student_dp_rank is not None:
+            mine.update(student_samples(global_batch_size, micro_batch_size, student.dp,
+                                        student_dp_rank))
+        if teacher_dp_rank is not None:
+            mine.update(teacher_block(global_batch_size, teacher.dp, teacher_dp_rank))
+        self.local = sorted(mine)
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:

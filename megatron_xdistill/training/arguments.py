@@ -219,6 +219,12 @@ def recompute_options(args: argparse.Namespace) -> dict:
     return options
 
 
+def trains_ce_only(args: argparse.Namespace) -> bool:
+    """``--kd-weight 0`` without dynamic scaling: the teacher's term would be multiplied by 0, so
+    the run trains on CE alone and needs no teacher, payload or projection."""
+    return args.kd_weight == 0 and not args.kd_dynamic_scaling
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
@@ -306,7 +312,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            f"length ({args.lr_decay_iters}: --lr-decay-iters, default --train-iters)")
     _check(args.kd_weight > 0 or args.ce_weight > 0 or args.kd_dynamic_scaling,
            "--kd-weight and --ce-weight are both 0: nothing to train")
-    _check(not (args.kd_weight == 0 and not args.kd_dynamic_scaling
+    _check(not (trains_ce_only(args)
                 and getattr(args, "teacher_placement", "colocated") == "disaggregated"),
            "--kd-weight 0 trains on CE alone and runs no teacher: drop "
            "--teacher-placement disaggregated (its teacher ranks would idle)")
@@ -376,7 +382,7 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
         _check(args.teacher_load is not None, "--teacher-load is required (the teacher "
                "checkpoint), unless --teacher-cache holds a complete cache")
         return
-    _check(not (args.kd_weight == 0 and not args.kd_dynamic_scaling),
+    _check(not trains_ce_only(args),
            "--teacher-cache with --kd-weight 0: CE alone uses no teacher payloads")
     complete = cache_is_complete(cache)
     if complete:

@@ -22,6 +22,7 @@ from megatron_xdistill.loss import (
 )
 from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
 from megatron_xdistill.parallel.layout import ModelParallelGroups
+from megatron_xdistill.training.arguments import trains_ce_only
 
 
 def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
@@ -31,12 +32,6 @@ def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
     if kd_topk == 0:
         return "full"
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
-
-
-def trains_ce_only(args) -> bool:
-    """``--kd-weight 0`` without dynamic scaling: the teacher's term would be multiplied by 0, so
-    the run trains on CE alone and needs no teacher, payload or projection."""
-    return args.kd_weight == 0 and not args.kd_dynamic_scaling
 
 
 def load_or_build_projection(args, log=print):
@@ -124,13 +119,15 @@ class KDObjective:
         labels[batch["loss_mask"] <= 0] = -1
         return slice_for_cp_rank(labels, 1, groups.coords["cp"], groups.layout.cp)
 
-    def student_terms(self, logits: torch.Tensor, batch: dict, with_kd: bool = True):
-        """Local KD and CE sums of one student microbatch (student's last stage)."""
+    def student_terms(self, logits: torch.Tensor, batch: dict,
+                      payload_rows: torch.Tensor | None = None):
+        """Local KD and CE sums of one student microbatch (student's last stage). Without
+        ``payload_rows`` (the microbatch's flat teacher payloads, [b, numel]) CE alone."""
         groups = self.student
         width = logits.shape[1] * groups.layout.cp
         payload = pred = None
-        if with_kd:
-            payload = TeacherPayload.from_flat(batch["payload"], self.spec)
+        if payload_rows is not None:
+            payload = TeacherPayload.from_flat(payload_rows, self.spec)
             pred = predicting_chunk_id(batch["student_chunk_id"])[:, :width]
             pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
         return parallel_kd_loss(

@@ -130,6 +130,7 @@ def _train(args, started: float) -> int:
     from megatron_xdistill.align import TokenAligner, load_tokenizer
     from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
+    from megatron_xdistill.parallel.sample_owners import student_samples
     from megatron_xdistill.training.distiller import Distiller, is_training_checkpoint
     from megatron_xdistill.training.metrics import MetricsWriter
     from megatron_xdistill.training.preemption import StopRequest
@@ -162,8 +163,8 @@ def _train(args, started: float) -> int:
 
     documents, plan = _plan(args, args.data_path, aligner, num_samples, "train", train_docs)
     if cache is not None:  # rank 0 starts a new cache's manifest; writer / reader per rank
-        cache.attach(distiller.teacher_info.to_dict(), num_samples, distiller.kd.payload_numel,
-                     rank, writer=distiller.has_teacher and distiller.teacher_groups.is_last_stage,
+        cache.attach(distiller.teacher.info.to_dict(), num_samples, distiller.kd.payload_numel,
+                     rank, writer=distiller.teacher.writes_payloads,
                      reader=distiller.has_student and distiller.student_groups.is_last_stage,
                      barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20,
                      commit_seconds=args.teacher_cache_commit_seconds)
@@ -173,7 +174,7 @@ def _train(args, started: float) -> int:
         return fill_teacher_cache(args, distiller, cache, dataset, _log)
     # A disaggregated rank loads only the samples of the model it serves.
     s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
-    t_dp = distiller.teacher_groups.coords["dp"] if distiller.has_teacher else None
+    t_dp = distiller.teacher_groups.coords["dp"] if distiller.teacher.runs else None
     sampler = StepSampler(len(dataset), iteration, args.global_batch_size, args.micro_batch_size,
                           s_dp, distiller.student_layout, t_dp, distiller.teacher_layout)
     steps = StepBatches(dataset, sampler, args.num_workers)
@@ -185,8 +186,9 @@ def _train(args, started: float) -> int:
         v_set = DistillationDataset(v_docs, v_plan, aligner, args.seq_length,
                                     args.teacher_seq_length)
         if distiller.has_student:  # evaluation runs on the student ranks only
-            dp, mbs = distiller.student_layout.dp, args.micro_batch_size
-            mine = [i for i in range(min(n_eval, len(v_set))) if (i // mbs) % dp == s_dp]
+            mbs = args.micro_batch_size
+            mine = student_samples(min(n_eval, len(v_set)), mbs, distiller.student_layout.dp,
+                                   s_dp)
             eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
                             for k in range(0, len(mine), mbs)]
 

@@ -12,21 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_xdistill.parallel.layout import ParallelLayout
+from megatron_xdistill.parallel.sample_owners import (
+    student_replica_of,
+    teacher_block,
+    teacher_replica_of,
+)
 
 
 def layout_rank(layout: ParallelLayout, offset: int, tp: int, cp: int, dp: int, pp: int) -> int:
     """Global rank of layout coordinates (Megatron order tp-cp-dp-pp, TP fastest)."""
     return offset + tp + layout.tp * (cp + layout.cp * (dp + layout.dp * pp))
-
-
-def student_replica_of(sample: int, micro_batch_size: int, dp: int) -> tuple[int, int]:
-    """(DP rank, micro-batch index) of a sample within a global batch (Megatron's sampler)."""
-    return (sample // micro_batch_size) % dp, sample // (micro_batch_size * dp)
-
-
-def teacher_replica_of(sample: int, global_batch_size: int, dp: int) -> int:
-    """Teacher DP rank that computes a sample: contiguous blocks of the global batch."""
-    return sample // (global_batch_size // dp)
 
 
 @dataclass(frozen=True)
@@ -57,6 +52,4 @@ def routing_plan(global_batch_size: int, micro_batch_size: int, student: Paralle
 def teacher_samples(rank: int, global_batch_size: int, teacher: ParallelLayout,
                     teacher_offset: int = 0) -> list[int]:
     """Samples (indices within the global batch) whose teacher forward runs on ``rank``."""
-    coords = teacher.coords(rank - teacher_offset)
-    per = global_batch_size // teacher.dp
-    return list(range(coords["dp"] * per, (coords["dp"] + 1) * per))
+    return teacher_block(global_batch_size, teacher.dp, teacher.coords(rank - teacher_offset)["dp"])

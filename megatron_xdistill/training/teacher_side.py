@@ -1,0 +1,82 @@
+"""The teacher on this rank: its model shard (forward only, never updated) and the payloads it
+makes for a global batch.
+
+A rank holds a ``TeacherSide`` whether or not it runs a teacher shard (a CE-only run, a run that
+reads a teacher cache, a disaggregated student rank): ``model`` is None then and nothing is run.
+Several teachers will be several of these.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from megatron_xdistill import models as models_api
+from megatron_xdistill.data.dataset import collate_samples
+from megatron_xdistill.parallel.layout import ModelParallelGroups
+from megatron_xdistill.parallel.sample_owners import teacher_block
+from megatron_xdistill.training import arguments
+from megatron_xdistill.training.kd_adapter import KDObjective
+from megatron_xdistill.training.schedule import run_schedule
+
+
+class TeacherSide:
+    """Teacher model shard of this rank and its forward pass over its block of a global batch."""
+
+    def __init__(self, args, info: models_api.ModelInfo, groups: ModelParallelGroups, *,
+                 runs: bool, device: torch.device, dtype: torch.dtype, world=None) -> None:
+        """``runs``: this rank builds and runs a teacher shard (loaded from --teacher-load).
+        ``world``: the teacher ranks' group for the checkpoint load (None: the whole world)."""
+        self.args, self.info, self.groups, self.device = args, info, groups, device
+        self.model = self.config = None
+        if runs:
+            self.model, self.config = models_api.build_model_for_layout(
+                info, groups, dtype, seed=args.seed, **arguments.model_options(args, "teacher"))
+            models_api.load_megatron_checkpoint(self.model, args.teacher_load,
+                                                groups.pg_collection, process_group=world)
+            self.model.eval()
+            for param in self.model.parameters():
+                param.requires_grad_(False)
+        per_replica = args.global_batch_size // groups.layout.dp
+        # The largest micro-batch that divides both the student's and this teacher's share.
+        self.micro_batch_size = math.gcd(args.micro_batch_size, per_replica)
+
+    @property
+    def runs(self) -> bool:
+        return self.model is not None
+
+    @property
+    def writes_payloads(self) -> bool:
+        """This rank's shard ends the teacher's pipeline: the payloads are made here."""
+        return self.runs and self.groups.is_last_stage
+
+    def forward(self, samples: dict[int, dict], kd: KDObjective) -> dict[int, torch.Tensor]:
+        """Flat payload rows by sample position of this replica's block (last stage; other
+        stages return an empty dict)."""
+        block = teacher_block(self.args.global_batch_size, self.groups.layout.dp,
+                              self.groups.coords["dp"])
+        mbs = self.micro_batch_size
+        micro = [block[i : i + mbs] for i in range(0, len(block), mbs)]
+        rows: list[torch.Tensor] = []
+
+        def payload_rows(batch, logits):
+            rows.append(kd.teacher_payload(logits, batch))
+            return torch.zeros(()), {}
+
+        run_schedule(self.model, self.config, self.groups,
+                     [collate_samples([samples[i] for i in ids]) for ids in micro],
+                     tokens=lambda batch: batch["teacher_tokens"], loss_func=payload_rows,
+                     seq_length=self.args.teacher_seq_length, micro_batch_size=mbs,
+                     device=self.device, forward_only=True)
+        payloads: dict[int, torch.Tensor] = {}
+        for ids, flat in zip(micro, rows):
+            for row, sample in enumerate(ids):
+                payloads[sample] = flat[row]
+        return payloads
+
+    def sent(self, payloads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The payloads this rank sends: the last stage at TP rank 0 and CP rank 0 (the other
+        TP / CP ranks hold the same rows)."""
+        coords = self.groups.coords
+        return payloads if coords["tp"] == 0 and coords["cp"] == 0 else {}
