@@ -62,11 +62,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _hf_to_mcore(args) -> int:
-    from conversion.atomic import check_output_dir
     from conversion.hf_to_mcore import convert_hf_to_mcore, preflight
     from conversion.launch import log, run_distributed
+    from megatron_xdistill.storage import refuse_existing
 
-    check_output_dir(args.out, args.overwrite)
+    refuse_existing(args.out, args.overwrite)
     info, _ = preflight(args.hf_dir, args.tp, args.pp)
     log(f"{args.hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}; "
         f"{args.tp * args.pp} rank(s)")

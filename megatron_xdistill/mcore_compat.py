@@ -13,20 +13,21 @@ And without TE/Apex its distributed optimizer cannot load its own fully resharda
 into torch's Adam (:func:`_patch_distributed_optimizer_step_state`). Its checkpoint writer starts
 a process per rank that a killed rank leaves behind (:func:`_in_process_write_results_queue`).
 
-Call :func:`install` before using ``megatron.core`` (every module of ours that needs it does).
+Entry points call :func:`install` once at start-up (``pretrain_xdistill.py``, the CLIs, the test
+suite's configuration, the benchmarks), before any model is built; importing this package changes
+nothing in torch or Megatron. Only what ``import megatron.core`` itself needs on a machine without
+Triton is done when the package is imported (:mod:`megatron_xdistill._megatron_import`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.machinery
-import sys
-import types
-import warnings
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from megatron_xdistill._megatron_import import make_megatron_importable
 
 _INSTALLED = False
 _CUDA_MODE: _CudaToCpuMode | None = None
@@ -130,32 +131,6 @@ class _NullEvent:
         return 0.0
 
 
-def _stub_triton_paged_stash() -> None:
-    """Covers: ``import megatron.core`` -> pipeline_parallel.schedules -> moe.paged_stash, whose
-    ops module imports Triton at module level. MoE paged stash is never used on CPU; calling its
-    kernels raises."""
-    name = "megatron.core.transformer.moe.ops.paged_stash"
-    if name in sys.modules:
-        return
-    try:
-        import triton  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
-    module.GLOBAL_BLOCK_SIZE = 1024
-
-    def _unavailable(*args: Any, **kwargs: Any) -> None:
-        raise RuntimeError("MoE paged stash needs Triton and a CUDA GPU")
-
-    module.paged_stash_copy_kernel = _unavailable
-    module.paged_stash_pop_kernel = _unavailable
-    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-    sys.modules[name] = module
-
-
 def _patch_torch_cuda() -> None:
     """Replace CUDA runtime queries that Megatron makes outside of compute with CPU answers."""
     cuda = torch.cuda
@@ -219,20 +194,6 @@ def _patch_rng_tracker() -> None:
 
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
-
-
-def _quiet_import_warnings() -> None:
-    """Megatron warns at import about optional accelerators (TE, Apex, absl) it then does without;
-    on a CPU machine those are expected, so they are silenced (nothing else is)."""
-    for pattern in (
-        r".*Transformer Engine and Apex are not installed.*",
-        r".*Apex is not installed.*",
-        r".*absl.logging is not installed.*",
-        r".*full scope is deprecated.*",
-        r".*CUDA_DEVICE_MAX_CONNECTIONS.*",
-        r".*we are deprecating ShardedTensor.*",
-    ):
-        warnings.filterwarnings("ignore", message=pattern)
 
 
 class _ParallelStateWithGroupRank:
@@ -336,8 +297,7 @@ def install() -> None:
     if _INSTALLED:
         return
     _INSTALLED = True
-    _quiet_import_warnings()
-    _stub_triton_paged_stash()
+    make_megatron_importable()
     _patch_tied_embedding_checkpoint()
     _patch_distributed_optimizer_step_state()
     _in_process_write_results_queue()
@@ -347,6 +307,17 @@ def install() -> None:
     _patch_rng_tracker()
     _CUDA_MODE = _CudaToCpuMode()
     _CUDA_MODE.__enter__()
+
+
+def require_installed(what: str) -> None:
+    """Raise, naming ``what``, unless :func:`install` ran in this process: without it Megatron
+    would fail on a CPU deep inside (or, on GPUs, save and resume some states wrongly)."""
+    if not _INSTALLED:
+        raise RuntimeError(
+            f"{what} needs megatron_xdistill.mcore_compat.install() first (it adapts "
+            f"Megatron-Core to this machine; pretrain_xdistill.py, xdistill-convert, "
+            f"xdistill-evaluate and the test suite call it at start-up): call it once before "
+            f"using megatron_xdistill's models or runtime from your own code")
 
 
 def default_backend() -> str:

@@ -34,6 +34,11 @@ def pytest_configure(config) -> None:
     if not _GPU_SESSION:
         # Before anything initialises CUDA here; the ranks and subprocesses inherit it.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # Megatron-Core adapted to this machine, as pretrain_xdistill.py does at start-up (after
+    # CUDA_VISIBLE_DEVICES: on a CPU session its CPU adaptations apply).
+    from megatron_xdistill import mcore_compat
+
+    mcore_compat.install()
 
 
 def pytest_report_header(config) -> list[str]:

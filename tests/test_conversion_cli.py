@@ -13,9 +13,9 @@ import textwrap
 import pytest
 import torch
 
-from conversion.atomic import atomic_output_dir
 from conversion.safetensors_io import SafetensorsFolder, TensorSpec, write_safetensors
 from conversion.tiny_models import make_tiny_model
+from megatron_xdistill.storage import atomic_directory
 
 TOKENIZERS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "assets", "tokenizers")
 
@@ -101,11 +101,11 @@ def test_failed_hf_write_leaves_nothing(tmp_path):
         raise RuntimeError("source went away")
 
     with pytest.raises(RuntimeError, match="went away"):
-        with atomic_output_dir(str(out)) as tmp:
+        with atomic_directory(str(out)) as tmp:
             write_safetensors(tmp, specs, tensors())
-    assert not out.exists() and not (tmp_path / "out.tmp").exists()
+    assert not out.exists() and not (tmp_path / ".out.tmp").exists()
     with pytest.raises(ValueError, match="does not match the planned b"):
-        with atomic_output_dir(str(out)) as tmp:
+        with atomic_directory(str(out)) as tmp:
             write_safetensors(tmp, specs, iter([("a", torch.ones(2, 2)), ("b", torch.ones(4))]))
     assert not out.exists()
 
@@ -114,25 +114,25 @@ def test_killed_write_never_looks_complete(tmp_path):
     out = tmp_path / "out"
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from conversion.atomic import atomic_output_dir
+        from megatron_xdistill.storage import atomic_directory
         from conversion.safetensors_io import TensorSpec, write_safetensors
         def tensors():
             yield "a", torch.ones(4)
             os.kill(os.getpid(), signal.SIGKILL)
-        with atomic_output_dir({str(out)!r}) as tmp:
+        with atomic_directory({str(out)!r}) as tmp:
             write_safetensors(tmp, [TensorSpec("a", (4,), torch.float32),
                                     TensorSpec("b", (4,), torch.float32)], tensors())
     """)
     run = subprocess.run([sys.executable, "-c", script], timeout=120)
     assert run.returncode == -9
-    assert not out.exists() and (tmp_path / "out.tmp").exists()
+    assert not out.exists() and (tmp_path / ".out.tmp").exists()
     with pytest.raises(FileExistsError, match="--overwrite"):
-        with atomic_output_dir(str(tmp_path)):
+        with atomic_directory(str(tmp_path)):
             pass
     # The next write replaces the leftover and completes.
-    with atomic_output_dir(str(out)) as tmp:
+    with atomic_directory(str(out)) as tmp:
         write_safetensors(tmp, [TensorSpec("a", (4,), torch.float32)], [("a", torch.ones(4))])
-    assert not (tmp_path / "out.tmp").exists()
+    assert not (tmp_path / ".out.tmp").exists()
     with SafetensorsFolder(str(out)) as folder:
         assert torch.equal(folder.get("a"), torch.ones(4))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 import zipfile
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_xdistill.data.sources import DataSource, read_documents, source_fingerprint
+from megatron_xdistill.storage import atomic_file
 
 PLAN_VERSION = 1
 
@@ -246,17 +246,9 @@ def load_documents(sources: Sequence[DataSource], text_field: str) -> tuple[list
 def save_plan(plan: PackingPlan, path: str) -> None:
     """Write as NumPy arrays (``.npz``; no pickle: a cache file from elsewhere can not run code),
     atomically (temp file + rename): an interrupted write leaves no partial plan."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.savez(fh, version=np.int64(PLAN_VERSION), key=np.str_(plan.key),
-                     pieces=plan.pieces, sample_offsets=plan.sample_offsets)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp, open(tmp, "wb") as fh:
+        np.savez(fh, version=np.int64(PLAN_VERSION), key=np.str_(plan.key),
+                 pieces=plan.pieces, sample_offsets=plan.sample_offsets)
 
 
 def load_plan(path: str, key: str) -> PackingPlan | None:

@@ -30,11 +30,7 @@ attention_dropout, init_method_std, hf_dtype, make_vocab_size_divisible_by, hf_c
 ``>= vocab_size`` are padding and never real tokens.
 """
 
-from megatron_xdistill import mcore_compat
-
-mcore_compat.install()
-
-from megatron_xdistill.models.builder import (  # noqa: E402
+from megatron_xdistill.models.builder import (
     build_gpt_model,
     build_model_for_layout,
     check_layout,
@@ -42,14 +38,14 @@ from megatron_xdistill.models.builder import (  # noqa: E402
     torch_dtype,
     transformer_config,
 )
-from megatron_xdistill.models.hf_config import (  # noqa: E402
+from megatron_xdistill.models.hf_config import (
     SUPPORTED_ARCHITECTURES,
     ModelInfo,
     RopeScaling,
     UnsupportedModelError,
     model_info_from_hf,
 )
-from megatron_xdistill.models.model_checkpoint import (  # noqa: E402
+from megatron_xdistill.models.model_checkpoint import (
     HF_FILES_DIR,
     MODEL_INFO_FILE,
     CheckpointError,

@@ -11,19 +11,15 @@ import functools
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
 
 from megatron_xdistill import mcore_compat
-
-mcore_compat.install()
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-
-from megatron_xdistill.models import gemma3  # noqa: E402
-from megatron_xdistill.models.hf_config import ModelInfo, model_info_from_hf  # noqa: E402
-from megatron_xdistill.models.specs import (  # noqa: E402
+from megatron_xdistill.models import gemma3
+from megatron_xdistill.models.hf_config import ModelInfo, model_info_from_hf
+from megatron_xdistill.models.specs import (
     TorchRMSNorm,
     gpt_layer_spec,
     have_transformer_engine,
@@ -174,6 +170,7 @@ def build_gpt_model(
     ``pre_process``/``post_process`` default to this rank's stage in ``pg_collection`` (or the
     global parallel_state). Call ``model_parallel_cuda_manual_seed`` first, as for any GPTModel.
     """
+    mcore_compat.require_installed("building a Megatron GPTModel")
     first, last = _stage_flags(pg_collection)
     pre_process = first if pre_process is None else pre_process
     post_process = last if post_process is None else post_process

@@ -20,17 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
-from megatron_xdistill import mcore_compat
-
-mcore_compat.install()
-
-from megatron.core import dist_checkpointing  # noqa: E402
-from megatron.core.dist_checkpointing.validation import StrictHandling  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
-
-from megatron_xdistill.models.hf_config import ModelInfo  # noqa: E402
+from megatron_xdistill.models.hf_config import ModelInfo
+from megatron_xdistill.storage import atomic_directory, write_json_atomic
 
 MODEL_INFO_FILE = "xdistill_model.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -51,14 +47,28 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, incomplete, or not one of ours."""
 
 
+def iteration_dir(root: str, iteration: int) -> str:
+    """Megatron-LM's folder of one iteration's checkpoint under a training root."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def tracked_iteration(root: str) -> int | None:
+    """The iteration that ``root``'s tracker file names (Megatron-LM's
+    ``latest_checkpointed_iteration.txt``, written last by a save), or None without one."""
+    tracker = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(tracker):
+        return None
+    text = open(tracker).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
 def resolve_checkpoint_dir(path: str) -> str:
     """The dist_checkpointing directory behind ``path`` (a training root -> its latest iter)."""
-    tracker = os.path.join(path, TRACKER_FILE)
-    if os.path.isfile(tracker):
-        text = open(tracker).read().strip()
-        if not text.isdigit():
-            raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
-        path = os.path.join(path, f"iter_{int(text):07d}")
+    iteration = tracked_iteration(path)
+    if iteration is not None:
+        path = iteration_dir(path, iteration)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not dist_checkpointing.check_is_distributed_checkpoint(path):
@@ -75,22 +85,13 @@ def _info_path(path: str) -> str | None:
     return next((c for c in candidates if os.path.isfile(c)), None)
 
 
-def _atomic_write_json(path: str, data: dict[str, Any]) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def save_model_info(info: ModelInfo, ckpt_dir: str, extra: dict[str, Any] | None = None) -> str:
     """Write ``xdistill_model.json`` into ``ckpt_dir`` (atomically); returns its path."""
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, MODEL_INFO_FILE)
-    _atomic_write_json(path, {"format": FORMAT, "version": FORMAT_VERSION,
-                              "model_info": info.to_dict(), **(extra or {})})
+    write_json_atomic(path, {"format": FORMAT, "version": FORMAT_VERSION,
+                             "model_info": info.to_dict(), **(extra or {})},
+                      indent=2, sort_keys=True)
     return path
 
 
@@ -152,11 +153,7 @@ def hf_files_dir(path: str) -> str | None:
     return None
 
 
-def copy_hf_files(source: str, ckpt_dir: str) -> list[str]:
-    """Copy config and tokenizer/generation files into ``<ckpt_dir>/hf_files`` from an HF model
-    folder or from another checkpoint (e.g. a training run's ``--load``); returns the names."""
-    folder = hf_files_dir(source) or source
-    target = os.path.join(ckpt_dir, HF_FILES_DIR)
+def _copy_side_files(folder: str, target: str) -> list[str]:
     os.makedirs(target, exist_ok=True)
     copied = []
     for name in HF_SIDE_FILES:
@@ -164,6 +161,12 @@ def copy_hf_files(source: str, ckpt_dir: str) -> list[str]:
             shutil.copy2(os.path.join(folder, name), target)
             copied.append(name)
     return copied
+
+
+def copy_hf_files(source: str, ckpt_dir: str) -> list[str]:
+    """Copy config and tokenizer/generation files into ``<ckpt_dir>/hf_files`` from an HF model
+    folder or from another checkpoint (e.g. a training run's ``--load``); returns the names."""
+    return _copy_side_files(hf_files_dir(source) or source, os.path.join(ckpt_dir, HF_FILES_DIR))
 
 
 def keep_hf_files(run_root: str, *sources: str | None) -> str | None:
@@ -179,11 +182,8 @@ def keep_hf_files(run_root: str, *sources: str | None) -> str | None:
         folder = hf_files_dir(source) or source
         if not os.path.isfile(os.path.join(folder, "config.json")):
             continue
-        staging = os.path.join(run_root, f".{HF_FILES_DIR}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        copy_hf_files(folder, staging)  # -> staging/hf_files
-        os.replace(os.path.join(staging, HF_FILES_DIR), target)
-        shutil.rmtree(staging, ignore_errors=True)
+        with atomic_directory(target) as staging:
+            _copy_side_files(folder, str(staging))
         return target
     return None
 

@@ -11,13 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-
-from megatron_xdistill import mcore_compat
-
-mcore_compat.install()
-
-from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 
 @dataclass(frozen=True)

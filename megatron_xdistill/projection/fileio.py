@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from enum import IntEnum
 from pathlib import Path
 
 import torch
+
+from megatron_xdistill.storage import atomic_file
 
 FORMAT_NAME = "megatron-xdistill.projection"
 FORMAT_VERSION = "1"
@@ -57,15 +58,8 @@ def write_projection_file(
     bad = [k for k, v in metadata.items() if not isinstance(v, str)]
     if bad:
         raise TypeError(f"projection metadata values must be strings; not for {bad}")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
 
 
 def read_projection_file(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

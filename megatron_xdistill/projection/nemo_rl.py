@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from megatron_xdistill.storage import atomic_file
 
 from .sparse_rows import pack_rows, unpack_rows
 
@@ -133,14 +134,5 @@ def write_nemo_rl(
         obj = {(int(s), int(t)): float(v) for s, t, v in zip(rows, cols, vals)}
     else:
         raise ValueError(f"NeMo-RL projection form must be 'dense' or 'sparse', got {form!r}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_file(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_xdistill.storage import write_json_atomic
+
 from .store import CacheError
 
 FORMAT = "xdistill-teacher-cache"
@@ -86,14 +88,7 @@ def load_manifest(root: str | os.PathLike) -> Manifest | None:
 
 def save_manifest(root: str | os.PathLike, manifest: Manifest) -> None:
     """Write the manifest atomically (temporary file, fsync, rename)."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{MANIFEST}.{os.getpid()}.tmp"
-    with open(tmp, "w") as handle:
-        json.dump(manifest.to_json(), handle, indent=1, sort_keys=True)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, root / MANIFEST)
+    write_json_atomic(Path(root) / MANIFEST, manifest.to_json(), indent=1, sort_keys=True)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -27,6 +27,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from megatron_xdistill.storage import atomic_file
+
 SHARD_DIR = "shards"
 _NAME = re.compile(r"^payloads-w(\d{5})-s(\d{10})-(\d{10})\.arrow$")
 _OPEN_SHARDS = 8  # memory-mapped shards kept open by a reader
@@ -140,15 +142,11 @@ class ShardWriter:
                                                          self.numel),
         }, schema=_schema(self.numel))
         name = f"payloads-w{self.writer:05d}-s{ids[0]:010d}-{ids[-1]:010d}.arrow"
-        tmp = self.folder / f".{name[:-6]}.{os.getpid()}.tmp"
+        final = self.folder / name
         options = pa.ipc.IpcWriteOptions(compression="zstd")
-        with open(tmp, "wb") as handle:
+        with atomic_file(final) as tmp, open(tmp, "wb") as handle:
             with pa.ipc.new_file(handle, table.schema, options=options) as out:
                 out.write_table(table)
-            handle.flush()
-            os.fsync(handle.fileno())
-        final = self.folder / name
-        os.replace(tmp, final)
         self._rows.clear()
         self._oldest = None
         return final

@@ -7,17 +7,13 @@ previous layout before building the next one.
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer import TransformerConfig
 
 from megatron_xdistill import mcore_compat
-
-mcore_compat.install()
-
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-
-from megatron_xdistill.models.specs import gpt_layer_spec, torch_block_spec  # noqa: E402
+from megatron_xdistill.models.specs import gpt_layer_spec, torch_block_spec
 
 TINY_VOCAB = 256
 
@@ -69,6 +65,7 @@ def tiny_config(tp: int = 1, pp: int = 1, cp: int = 1, **overrides) -> Transform
 def build_tiny_gpt(config: TransformerConfig, vocab_size: int = TINY_VOCAB,
                    seq_length: int = 64, tied: bool = True) -> GPTModel:
     """GPTModel with the torch-native layer spec for the current pipeline stage."""
+    mcore_compat.require_installed("building a Megatron GPTModel")
     return GPTModel(
         config=config,
         transformer_layer_spec=torch_block_spec(

@@ -19,43 +19,29 @@ import time
 
 import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
 
-from megatron_xdistill import mcore_compat
-
-mcore_compat.install()
-
-from megatron.core import dist_checkpointing  # noqa: E402
-
-TRACKER = "latest_checkpointed_iteration.txt"
-
-
-def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+from megatron_xdistill.models.model_checkpoint import (
+    TRACKER_FILE,
+    iteration_dir,
+    tracked_iteration,
+)
+from megatron_xdistill.storage import write_text_atomic
 
 
 def latest_iteration(root: str) -> int | None:
     """Iteration of the latest complete checkpoint under ``root``, or None."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
-    iteration = int(text)
-    if not os.path.isdir(iteration_dir(root, iteration)):
+    iteration = tracked_iteration(root)
+    if iteration is not None and not os.path.isdir(iteration_dir(root, iteration)):
         raise FileNotFoundError(
-            f"{path} names iteration {iteration} but {iteration_dir(root, iteration)} is missing"
-        )
+            f"{os.path.join(root, TRACKER_FILE)} names iteration {iteration} but "
+            f"{iteration_dir(root, iteration)} is missing")
     return iteration
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def is_training_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a training run's root (it has a tracker file)."""
+    return os.path.exists(os.path.join(path, TRACKER_FILE))
 
 
 def _rng_state() -> dict:
@@ -139,7 +125,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
         if os.path.exists(final):
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write_text(os.path.join(root, TRACKER), str(iteration))
+        write_text_atomic(os.path.join(root, TRACKER_FILE), str(iteration))
     dist.barrier()
     return final
 
@@ -151,7 +137,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
     ``iteration``. Raises if there is none."""
     iteration = latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER})")
+        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER_FILE})")
     path = iteration_dir(root, iteration)
     model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
     request = {"model": model_state}
@@ -203,6 +189,6 @@ def load_position(root: str) -> dict:
     ``root`` (what ranks that hold no model part, e.g. disaggregated teacher ranks, need)."""
     iteration = latest_iteration(root)
     if iteration is None:
-        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER})")
+        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER_FILE})")
     return _position(dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration)),
                      iteration)

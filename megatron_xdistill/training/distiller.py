@@ -24,8 +24,6 @@ step between the sides.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -35,7 +33,7 @@ from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parall
 from megatron_xdistill.parallel.placement import Placement
 from megatron_xdistill.training import kd_adapter
 from megatron_xdistill.training.arguments import trains_ce_only
-from megatron_xdistill.training.checkpointing import TRACKER, load_position, save_checkpoint
+from megatron_xdistill.training.checkpointing import load_position, save_checkpoint
 from megatron_xdistill.training.clocks import PhaseTimes, device_now
 from megatron_xdistill.training.student_side import StepReport, StudentSide
 from megatron_xdistill.training.teacher_side import TeacherSide
@@ -272,7 +270,3 @@ class Distiller:
         if self.watch is not None:
             self.watch.close()
             self.watch = None
-
-
-def is_training_checkpoint(path: str) -> bool:
-    return os.path.exists(os.path.join(path, TRACKER))

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_xdistill import mcore_compat
-
 
 def build_lr_scheduler(optimizer, args: argparse.Namespace):
     """The scheduler of ``optimizer`` (Megatron's, or any with ``param_groups``) for ``args``;
     weight decay stays constant."""
-    mcore_compat.install()
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(

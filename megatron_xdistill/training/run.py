@@ -131,7 +131,8 @@ def _train(args, started: float) -> int:
     from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
     from megatron_xdistill.parallel.sample_owners import student_samples
-    from megatron_xdistill.training.distiller import Distiller, is_training_checkpoint
+    from megatron_xdistill.training.checkpointing import is_training_checkpoint
+    from megatron_xdistill.training.distiller import Distiller
     from megatron_xdistill.training.metrics import MetricsWriter
     from megatron_xdistill.training.preemption import StopRequest
     from megatron_xdistill.training.teacher_cache_run import (

@@ -1,0 +1,86 @@
+"""Atomic writes: a reader sees the old file (or none) or the whole new one, never a part.
+
+Everything is written under a temporary name beside its destination (same folder, so the final
+``os.replace`` is a rename on one file system), flushed to disk, then renamed. A write that fails
+or is interrupted removes its temporary; one killed outright leaves only a hidden ``*.tmp`` that
+the next write of the same destination does not mistake for data.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path`` to write (by any library) in the block; when the
+    block completes it is synced and renamed onto ``path``; on an error it is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """``path`` holds ``text`` (UTF-8), written atomically."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any, **dump_options: Any) -> None:
+    """``path`` holds ``data`` as JSON (``json.dump`` options, e.g. ``indent``), atomically,
+    with a final newline."""
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, **dump_options)
+        handle.write("\n")
+
+
+def refuse_existing(path: str | os.PathLike, replace: bool) -> None:
+    """Refuse to replace an existing ``path`` unless asked (check it before long work)."""
+    if os.path.exists(path) and not replace:
+        raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``path`` to fill in the block; when it completes the
+    folder becomes ``path``, on an error it is removed. An existing ``path`` is kept unless
+    ``replace`` (then it is moved aside first and deleted after the rename).
+
+    One writer per destination: the staging folder ``.<name>.tmp`` left by a killed writer (it
+    can be large: model weights) is removed by the next write. A folder written by several ranks
+    is committed by the checkpoint code, after they agree."""
+    path = Path(path).absolute()
+    refuse_existing(path, replace)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        old = path.parent / f".{path.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
