@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	@if $(BIN)/python -c "import sys; sys.exit(sys.version_info >= (3, 12))"; then \
 	  $(BIN)/python -m pip install -q --no-deps --ignore-requires-python "$(MCORE_SPEC)"; \
 	fi
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test,examples]"
 	@touch $(STAMP)
 
 demo: install

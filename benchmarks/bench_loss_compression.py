@@ -1,6 +1,6 @@
 """How far the compact teacher payloads move the KD loss from the exact one, on real models.
 
-A real teacher and student (``megatron_xdistill.assets``: qwen2.5-coder-0.5b -> smollm2-135m by
+A real teacher and student (``megatron_xdistill.demo.assets``: qwen2.5-coder-0.5b -> smollm2-135m by
 default) run on held-out Python source (the CPython standard library); both tokenisations are
 aligned and the P-KL loss is evaluated (the training implementation, single process) with the
 exact payload (all V_t teacher columns), NeMo-RL's microbatch-global top-k and our per-chunk
@@ -38,9 +38,9 @@ def _load(args):
     from transformers import AutoModelForCausalLM
 
     from megatron_xdistill.align import TokenAligner, load_tokenizer
-    from megatron_xdistill.assets import fetch_model, stdlib_python_files
+    from megatron_xdistill.demo.assets import fetch_model, stdlib_python_files
+    from megatron_xdistill.demo.workflow import build_projection
     from megatron_xdistill.projection.runtime import load_projection
-    from megatron_xdistill.workflow import build_projection
 
     s_dir, t_dir = fetch_model(args.student), fetch_model(args.teacher)
     s_tok, t_tok = load_tokenizer(s_dir), load_tokenizer(t_dir)

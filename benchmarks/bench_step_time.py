@@ -10,7 +10,7 @@ cross-tokenizer loss's forward + recomputing backward, part of ``student``.
       [--placements colocated disaggregated] [--teacher-ranks 1]
 
 Models, checkpoints and the projection are fetched/converted/built once and cached
-(``megatron_xdistill.assets.cache_dir``). Measured on 2 CPU cores (s per step, steps 2..5):
+(``megatron_xdistill.demo.assets.cache_dir``). Measured on 2 CPU cores (s per step, steps 2..5):
 
   placement      payload               teacher  route  student (loss)  optim   wall  tokens/s  B/token
   colocated      chunk top-64 + tail     6.64   0.01     4.52  (0.24)   0.66  11.86        43       524
@@ -115,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.train_iters < 2:
         parser.error("--train-iters must be >= 2 (the first step is left out)")
 
-    from megatron_xdistill.demo import STUDENT, TEACHER
-    from megatron_xdistill.examples_data import write_stdlib_corpus
-    from megatron_xdistill.workflow import (
+    from megatron_xdistill.demo.corpus import write_stdlib_corpus
+    from megatron_xdistill.demo.quickstart import STUDENT, TEACHER
+    from megatron_xdistill.demo.workflow import (
         prepare_models,
     )
 
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _measure(args, models, train: Path, work: Path, placement: str, topk: int):
     """One run; (mean phase seconds, wall seconds per step, tokens/s, payload B/token)."""
-    from megatron_xdistill.workflow import cpu_env, pretrain_command, read_metrics, run_command
+    from megatron_xdistill.demo.workflow import cpu_env, pretrain_command, read_metrics, run_command
 
     layout = {"teacher-tensor-model-parallel-size": args.nproc}
     if placement == "disaggregated":

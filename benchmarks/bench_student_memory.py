@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from conversion.launch import run_distributed
-    from megatron_xdistill.assets import fetch_model
+    from megatron_xdistill.demo.assets import fetch_model
 
     hf_dir = str(fetch_model(args.model))
     rows = []

@@ -104,9 +104,9 @@ def measure_steps(args, work: Path) -> list[tuple]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_step_time import write_random_demo_models
 
-    from megatron_xdistill.demo import STUDENT, TEACHER
-    from megatron_xdistill.examples_data import write_stdlib_corpus
-    from megatron_xdistill.workflow import (
+    from megatron_xdistill.demo.corpus import write_stdlib_corpus
+    from megatron_xdistill.demo.quickstart import STUDENT, TEACHER
+    from megatron_xdistill.demo.workflow import (
         cpu_env,
         prepare_models,
         pretrain_command,

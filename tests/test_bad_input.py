@@ -74,8 +74,8 @@ def test_a_file_that_is_no_projection_is_named(tmp_path):
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     from conversion import convert_hf_to_mcore
-    from conversion.tiny_models import make_tiny_model
     from megatron_xdistill.testing.multirank import RankPool
+    from megatron_xdistill.testing.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("bad_ckpt")
     hf = make_tiny_model("smollm2", str(root / "hf"), seed=1)

@@ -17,9 +17,9 @@ import torch
 
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.mcore_to_hf import convert_mcore_to_hf
-from conversion.tiny_models import TINY_FAMILIES, make_tiny_model, tiny_config
 from conversion.verify import verify_conversion
 from megatron_xdistill.testing.multirank import RankPool
+from megatron_xdistill.testing.tiny_models import TINY_FAMILIES, make_tiny_model, tiny_config
 
 WORLD = 4
 TOKENIZERS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "assets", "tokenizers")

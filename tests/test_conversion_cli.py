@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conversion.safetensors_io import SafetensorsFolder, TensorSpec, write_safetensors
-from conversion.tiny_models import make_tiny_model
 from megatron_xdistill.storage import atomic_directory
+from megatron_xdistill.testing.tiny_models import make_tiny_model
 
 TOKENIZERS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "assets", "tokenizers")
 

@@ -86,10 +86,16 @@ NODES = {"one_node": [0, 0, 0, 0], "two_nodes": [0, 0, 1, 1], "mixed": [0, 1, 0,
 
 
 def stream_steps(student_sleep: float, steps: int, timeout_s: float, nodes: list[int],
-                 device: str = "cpu", watched: bool = False) -> dict:
-    """Teachers send ``steps`` steps at once; students start after ``student_sleep`` seconds.
+                 device: str = "cpu", watched: bool = False, tag: str = "stream") -> dict:
+    """Teachers send ``steps`` steps at once. Students start receiving only once both teachers'
+    sends of steps 0 and 1 have returned (a c10d-store gate: had those sends waited for a
+    student, this would deadlock into the students' gate timeout), then take a ``student_sleep``
+    seconds long step first. Times are ``time.monotonic()``, one clock for every process here.
     ``device="cuda"``: every rank on GPU 0, the slots in CUDA IPC buffers (tests/test_gpu.py).
-    ``watched``: the waits last while the peers' heartbeats go on (liveness.PeerWatch)."""
+    ``watched``: the waits last while the peers' heartbeats go on (liveness.PeerWatch).
+    ``tag``: unique per call on one rank pool (the gate's store keys)."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -110,17 +116,21 @@ def stream_steps(student_sleep: float, steps: int, timeout_s: float, nodes: list
     stream = RoutedStream(routes, numel=3, nodes=nodes, timeout_s=timeout_s, device=device,
                           watch=watch)
     rank = dist.get_rank()
-    start = time.perf_counter()
-    out: dict = {"returned": [], "payloads": [], "stats": [], "intact": [], "zero_copy": [],
+    store = dist.distributed_c10d._get_default_store()
+    out: dict = {"returned_at": [], "payloads": [], "stats": [], "intact": [], "zero_copy": [],
                  "kind": stream.same_node_kind, "summary": stream.summary}
     if rank >= 2:
         for step in range(steps):
             mine = {i: torch.full((3,), 100.0 * step + i, device=device)
                     for i in teacher_samples(rank, 4, layout, 2)}
             stream.send(step, mine, stats=[float(rank)])
-            out["returned"].append(time.perf_counter() - start)
+            out["returned_at"].append(time.monotonic())
+            if step == 1:
+                store.set(f"{tag}/sent_1/{rank}", "1")
     else:
+        store.wait([f"{tag}/sent_1/{t}" for t in (2, 3)], datetime.timedelta(seconds=120))
         time.sleep(student_sleep)  # a long student step: the teacher must not wait for it
+        out["woke_at"] = time.monotonic()
         views: dict = {}
         for step in range(steps):
             payloads, stats = stream.receive(step)
@@ -157,18 +167,19 @@ def check_stream_steps(results: list[dict], sleep: float, steps: int, nodes: str
         within = {"one_node": 2, "two_nodes": 0, "mixed": 1}[nodes]  # of the rank's 2 samples
         assert [sum(z) for z in got["zero_copy"]] == ([within] * steps if within else []), \
             got["zero_copy"]
+    # Steps 0 and 1 went out while no student received (the students' gate); step 2 reuses
+    # step 0's slot, so it returned only after the students woke and took step 0.
+    woke = min(results[rank]["woke_at"] for rank in (0, 1))
     for rank in (2, 3):
-        returned = results[rank]["returned"]
-        # Steps 0 and 1 go out at once (two slots) although no student receives yet ...
-        assert returned[1] < sleep / 2, returned
-        # ... step 2 reuses step 0's slot, so it waits until the students took step 0.
-        assert returned[2] >= sleep * 0.9, returned
+        returned = results[rank]["returned_at"]
+        assert returned[1] < woke <= returned[2], (returned, woke)
 
 
 @pytest.mark.parametrize("nodes", list(NODES))
 def test_stream_sends_without_waiting_and_double_buffers(e2e_pool, nodes):
     sleep, steps = 2.0, 4
-    results = e2e_pool.run(stream_steps, sleep, steps, 60.0, NODES[nodes])
+    results = e2e_pool.run(stream_steps, sleep, steps, 60.0, NODES[nodes], "cpu", False,
+                           f"double_buffers/{nodes}")
     check_stream_steps(results, sleep, steps, nodes)
     kinds = [r["kind"] for r in results]
     assert kinds == [None] * 4 if nodes == "two_nodes" else ["shared memory"] * 4
@@ -182,7 +193,8 @@ def test_a_slow_student_is_waited_for_not_timed_out(e2e_pool, nodes):
     """With the peer watch, a student step 3x longer than the stream's timeout (and than what a
     timed wait would allow) is waited for: the teacher's slot waits last while students live."""
     sleep, steps = 3.0, 4
-    results = e2e_pool.run(stream_steps, sleep, steps, 1.0, NODES[nodes], "cpu", True)
+    results = e2e_pool.run(stream_steps, sleep, steps, 1.0, NODES[nodes], "cpu", True,
+                           f"slow_student/{nodes}")
     check_stream_steps(results, sleep, steps, nodes)
 
 

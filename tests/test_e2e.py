@@ -167,8 +167,8 @@ def test_gemma3_teacher_in_parallel_layouts_matches_single_rank(e2e_setup, e2e_p
     single-rank run's losses."""
     import shutil
 
-    from conversion.tiny_models import make_tiny_model
     from megatron_xdistill.projection import BuildOptions, build_projection, save_projection
+    from megatron_xdistill.testing.tiny_models import make_tiny_model
 
     root, s_tok, _ = e2e_setup
     g_tok = ASSETS / "tokenizers" / "gemma3"

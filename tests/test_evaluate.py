@@ -1,4 +1,4 @@
-"""``python -m megatron_xdistill.evaluate``: bits per byte of an HF folder and of its Megatron
+"""``python -m megatron_xdistill.evaluation``: bits per byte of an HF folder and of its Megatron
 conversion agree, and equal an independent dense computation with ``transformers``."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.launch import run_distributed
-from conversion.tiny_models import make_tiny_model
-from megatron_xdistill import evaluate as ev
-from megatron_xdistill.evaluate import document_windows, start_token
+from megatron_xdistill.evaluation import bits_per_byte as ev
+from megatron_xdistill.evaluation.bits_per_byte import document_windows, start_token
+from megatron_xdistill.testing.tiny_models import make_tiny_model
 
 TOKENIZERS = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "assets", "tokenizers")
 TEXTS = [

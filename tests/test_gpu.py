@@ -120,8 +120,8 @@ def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     """fp32 on CUDA vs the float64 CPU reference: loss and gradient, rel 1e-5."""
     from megatron_xdistill.loss import parallel_kd_loss, reference
     from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
-    from megatron_xdistill.loss.synthetic import make_case
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
+    from megatron_xdistill.testing.synthetic_kd import make_case
 
     case = make_case(batch=3, ts=40, tt=32, vs=300, vt=250, vs_padded=320, vt_padded=256,
                      seed=4, realistic=True, normalised_rows=True)

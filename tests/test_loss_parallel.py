@@ -15,10 +15,10 @@ import torch
 
 from megatron_xdistill.loss import reference
 from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
-from megatron_xdistill.loss.synthetic import make_case
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.parallel.context_parallel import restore_from_cp_parts
 from megatron_xdistill.testing.multirank import RankPool
+from megatron_xdistill.testing.synthetic_kd import make_case
 
 WORLD = 4
 RTOL = 1e-5

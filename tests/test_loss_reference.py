@@ -15,8 +15,8 @@ import torch
 
 from megatron_xdistill.loss import reference
 from megatron_xdistill.loss.common import EPS, common_vocab_from_dense, predicting_chunk_id
-from megatron_xdistill.loss.synthetic import make_case
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
+from megatron_xdistill.testing.synthetic_kd import make_case
 
 
 def _positions(chunk_id: torch.Tensor, c: int) -> list[int]:

@@ -9,7 +9,6 @@ import json
 import pytest
 import torch
 
-from conversion.tiny_models import TINY_FAMILIES, tiny_config
 from megatron_xdistill.models import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
@@ -22,6 +21,7 @@ from megatron_xdistill.models import (
     transformer_config,
 )
 from megatron_xdistill.testing.multirank import RankPool
+from megatron_xdistill.testing.tiny_models import TINY_FAMILIES, tiny_config
 
 # Published configs (transformers 4.x style: rope_theta + rope_scaling), abbreviated to the keys
 # that matter; numbers as released.

@@ -7,7 +7,7 @@ Megatron checkpoints, build the projection between their vocabularies, write the
 standard library as train / held-out text (split by module), train one student per variant with
 ``torchrun pretrain_xdistill.py`` (same data, seed, steps and learning rate; only the loss weights
 differ), score student-before, every student-after and the teacher on the held-out text with
-``python -m megatron_xdistill.evaluate`` (bits per byte: one scale for both tokenizers), export
+``python -m megatron_xdistill.evaluation`` (bits per byte: one scale for both tokenizers), export
 one trained student back to Hugging Face and check it, and write REPORT.md with PNG plots.
 
 Every stage keeps its outputs under ``work_dir`` and is skipped when they exist for the same
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script from anywhere in the checkout
     sys.path.insert(0, str(REPO))
 
-from megatron_xdistill.workflow import (  # noqa: E402
+from megatron_xdistill.demo.workflow import (  # noqa: E402
     ModelPair,
     cpu_env,
     prepare_models,
@@ -147,7 +147,7 @@ def _eval_args(cfg, data: dict) -> list[str]:
 
 def evaluate_model(cfg, label: str, model_args: list[str], data: dict, work: Path,
                    model_stamp: str) -> dict:
-    """``python -m megatron_xdistill.evaluate`` on the held-out split (cached by settings).
+    """``python -m megatron_xdistill.evaluation`` on the held-out split (cached by settings).
     ``model_args``: ``["--load", CKPT, "--tokenizer-model", DIR]`` or ``["--hf-dir", DIR]``."""
     args = [*model_args, *_eval_args(cfg, data)]
     key = _digest([args, model_stamp])
@@ -159,7 +159,7 @@ def evaluate_model(cfg, label: str, model_args: list[str], data: dict, work: Pat
             return cached
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    run_command([sys.executable, "-m", "megatron_xdistill.evaluate", *args, "--json", str(tmp)],
+    run_command([sys.executable, "-m", "megatron_xdistill.evaluation", *args, "--json", str(tmp)],
                 say)
     result = {**json.loads(tmp.read_text()), "label": label, "key": key}
     out.write_text(json.dumps(result, indent=2))
@@ -213,7 +213,7 @@ def export_student(cfg, run: dict, models: ModelPair, data: dict, work: Path,
 # --------------------------------------------------------------------------- whole comparison
 def run_comparison(cfg, print_table: bool = True) -> dict:
     """All stages; returns what the report shows (also written to ``work_dir/results.json``)."""
-    from megatron_xdistill.examples_data import write_stdlib_corpus
+    from megatron_xdistill.demo.corpus import write_stdlib_corpus
 
     t0 = time.time()
     work = Path(cfg.work_dir).resolve()
@@ -251,7 +251,7 @@ def run_comparison(cfg, print_table: bool = True) -> dict:
         runs[name] = train_variant(cfg, name, models, data, work)
     timings["training"] = time.time() - t
 
-    stage(4, total, "held-out bits per byte (python -m megatron_xdistill.evaluate)")
+    stage(4, total, "held-out bits per byte (python -m megatron_xdistill.evaluation)")
     t = time.time()
     student_tok = ["--tokenizer-model", str(models.student_hf)]
     evals = {BEFORE: evaluate_model(cfg, BEFORE, ["--load", str(models.student_ckpt),
@@ -596,7 +596,7 @@ def write_report(results: dict, out: Path) -> Path:
                   f"mcore-to-hf` and loads with `transformers` "
                   f"({export['parameters'] / 1e6:.1f}M parameters)."]
         if "bits_per_byte" in export:
-            lines.append(f"Scored with `python -m megatron_xdistill.evaluate --hf-dir` on the "
+            lines.append(f"Scored with `python -m megatron_xdistill.evaluation --hf-dir` on the "
                          f"same held-out text it gives {export['bits_per_byte']:.6f} bits/byte; "
                          f"the Megatron checkpoint it came from gives "
                          f"{export['megatron_bits_per_byte']:.6f} ({export['dtype']} export).")

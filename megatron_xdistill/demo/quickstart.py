@@ -41,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
 
-    from megatron_xdistill.examples_data import write_stdlib_corpus
-    from megatron_xdistill.models import load_model_info
-    from megatron_xdistill.workflow import (
+    from megatron_xdistill.demo.corpus import write_stdlib_corpus
+    from megatron_xdistill.demo.workflow import (
         cpu_env,
         prepare_models,
         pretrain_command,
         read_metrics,
         run_command,
     )
+    from megatron_xdistill.models import load_model_info
 
     models = prepare_models(args.teacher, STUDENT, log=_say)
     kv_heads = load_model_info(str(models.teacher_ckpt)).num_query_groups

@@ -1,7 +1,7 @@
 """Bits per byte of a causal LM on text files: one scale for models with different tokenizers.
 
-    python -m megatron_xdistill.evaluate --load CKPT --data-path held_out.jsonl [--tokenizer DIR]
-    python -m megatron_xdistill.evaluate --hf-dir DIR --data-path held_out.jsonl
+    python -m megatron_xdistill.evaluation --load CKPT --data-path held_out.jsonl [--tokenizer DIR]
+    python -m megatron_xdistill.evaluation --hf-dir DIR --data-path held_out.jsonl
 
 ``--load`` takes a converted checkpoint (``xdistill-convert hf-to-mcore``) or a training run
 (its latest iteration) and runs the Megatron GPTModel in one process on the CPU (fp32, gloo);
@@ -202,7 +202,7 @@ def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsF
     from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
 
     if dist.get_world_size() != 1:
-        raise RuntimeError("megatron_xdistill.evaluate runs in one process (world size 1)")
+        raise RuntimeError("megatron_xdistill.evaluation runs in one process (world size 1)")
     _quiet_loading()
     info = load_model_info(load)
     groups = build_model_parallel_groups(ParallelLayout.for_world(1, who="evaluate"))
@@ -263,7 +263,7 @@ def evaluate(data: Sequence[str], load: str | None = None, hf_dir: str | None = 
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_xdistill.evaluate",
+    p = argparse.ArgumentParser(prog="xdistill-evaluate",
                                 description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     which = p.add_mutually_exclusive_group(required=True)

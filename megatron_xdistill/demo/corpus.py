@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from megatron_xdistill.assets import stdlib_python_files
+from megatron_xdistill.demo.assets import stdlib_python_files
 from megatron_xdistill.storage import atomic_file
 
 
