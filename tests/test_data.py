@@ -207,3 +207,66 @@ def test_globs_and_hf_datasets_folders_in_the_data_path(tmp_path):
         parse_data_path([str(tmp_path / "nothing-*.jsonl")])
     with pytest.raises(ValueError, match="read without weights only"):
         parse_data_path(["0.5", str(tmp_path / "shard-*.jsonl"), "0.5", str(ds)])
+
+
+def _megatron_indexed(prefix: Path, texts: list[str], tokenizer_dir: Path) -> None:
+    """Write ``texts`` as Megatron-LM's preprocess_data.py does (--append-eod), with
+    Megatron-Core's own IndexedDatasetBuilder."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_xdistill.align import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.int32)
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
+    builder.finalize(str(prefix) + ".idx")
+
+
+@needs_assets
+def test_megatron_indexed_datasets_are_read_back_as_their_text(tmp_path):
+    """A PREFIX.bin/.idx made by Megatron-Core's builder gives back the documents' text (real
+    tokenizers, real text with non-ASCII characters), blends with other files by weight, and
+    is refused by name without its tokenizer or with another one."""
+    from megatron_xdistill.data.packing import load_documents
+
+    texts = [json.loads(line)["text"] for line in
+             (ASSETS / "corpora" / "enwiki_val.jsonl").read_text().splitlines()[:40]]
+    texts = [t for t in texts if t.strip()][:25]
+    assert any(ord(c) > 127 for t in texts for c in t)  # the round trip covers non-ASCII text
+    qwen = ASSETS / "tokenizers" / "qwen2"
+    prefix = tmp_path / "corpus_text_document"
+    _megatron_indexed(prefix, texts, qwen)
+
+    sources = parse_data_path([str(prefix)])
+    documents, counts = load_documents(sources, "text", str(qwen))
+    assert documents == texts and counts == [len(texts)]
+    other = _docs_jsonl(tmp_path, ["plain file"])
+    blended = parse_data_path(["0.3", str(prefix), "0.7", other])
+    assert load_documents(blended, "text", str(qwen))[1] == [len(texts), 1]
+
+    with pytest.raises(ValueError, match="--data-tokenizer-model"):
+        read_documents(str(prefix))
+    with pytest.raises(ValueError, match=r"holds token id \d+ but the tokenizer .*smollm2 has"):
+        read_documents(str(prefix), data_tokenizer=str(ASSETS / "tokenizers" / "smollm2"))
+
+
+def test_indexed_data_tokenizer_defaults_to_the_student_tokenizer(tmp_path):
+    """As in Megatron-LM, --tokenizer-model made the indexed data unless
+    --data-tokenizer-model says otherwise; without indexed data no tokenizer is involved (the
+    packing cache keys of text data stay as they were)."""
+    from argparse import Namespace
+
+    from megatron_xdistill.training.run import _data_tokenizer
+
+    (tmp_path / "d.bin").write_bytes(b"")
+    (tmp_path / "d.idx").write_bytes(b"")
+    indexed = [DataSource(str(tmp_path / "d"))]
+    text = [DataSource(_docs_jsonl(tmp_path, ["x"]))]
+    args = Namespace(tokenizer_model="student_tok", data_tokenizer_model=None)
+    assert _data_tokenizer(args, indexed) == "student_tok"
+    assert _data_tokenizer(args, text) is None
+    args.data_tokenizer_model = "teacher_tok"
+    assert _data_tokenizer(args, indexed + text) == "teacher_tok"

@@ -177,10 +177,14 @@ class _Packer:
 
 def plan_key(sources: Sequence[DataSource], text_field: str, student_name: str,
              teacher_name: str, seq_length: int, teacher_seq_length: int, seed: int,
-             num_samples: int) -> str:
-    """Cache key of a plan: inputs, tokenizers, lengths, seed and size."""
-    blob = json.dumps([PLAN_VERSION, source_fingerprint(sources), text_field, student_name,
-                       teacher_name, seq_length, teacher_seq_length, seed, num_samples])
+             num_samples: int, data_tokenizer: str | None = None) -> str:
+    """Cache key of a plan: inputs, tokenizers, lengths, seed and size (and the tokenizer that
+    decodes Megatron indexed datasets, where there are some)."""
+    parts = [PLAN_VERSION, source_fingerprint(sources), text_field, student_name, teacher_name,
+             seq_length, teacher_seq_length, seed, num_samples]
+    if data_tokenizer is not None:
+        parts.append(data_tokenizer)
+    blob = json.dumps(parts)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -224,12 +228,14 @@ def build_plan(documents: Sequence[str], sources: Sequence[DataSource], doc_coun
     return PackingPlan(pieces=pieces, sample_offsets=offsets, key=key)
 
 
-def load_documents(sources: Sequence[DataSource], text_field: str) -> tuple[list[str], list[int]]:
-    """All documents of all sources, concatenated, and the count per source."""
+def load_documents(sources: Sequence[DataSource], text_field: str,
+                   data_tokenizer: str | None = None) -> tuple[list[str], list[int]]:
+    """All documents of all sources, concatenated, and the count per source.
+    ``data_tokenizer``: decodes Megatron indexed datasets (the tokenizer that made them)."""
     documents: list[str] = []
     counts = []
     for source in sources:
-        docs = read_documents(source.path, text_field)
+        docs = read_documents(source.path, text_field, data_tokenizer)
         if source.weight is not None and not any(d.strip() for d in docs):
             raise ValueError(f"{source.path}: no text (field {text_field!r}) to draw its weight "
                              f"{source.weight} from; remove it from --data-path or fill it")

@@ -3,7 +3,9 @@
 ``--data-path`` follows Megatron-LM: either paths (``a.jsonl b.parquet``: all documents of all
 files) or weight/path pairs (``0.7 a.jsonl 0.3 b.parquet``: documents drawn in that proportion).
 Without weights a path may also be a glob (``shards/*.parquet``) or a Hugging Face ``datasets``
-folder written by ``save_to_disk`` (its Arrow files; a DatasetDict folder names its splits).
+folder written by ``save_to_disk`` (its Arrow files; a DatasetDict folder names its splits). A
+path may also be the prefix of a Megatron indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``),
+decoded back to text with the tokenizer that made it (:mod:`.indexed`).
 Every reader names the file, the record and the field when the input is not what it should be.
 """
 
@@ -15,6 +17,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from megatron_xdistill.data.indexed import indexed_files, is_indexed_prefix, read_indexed_documents
 
 SUFFIXES = {
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
@@ -68,6 +72,8 @@ def parse_data_path(items: Sequence[str], flag: str = "--data-path") -> list[Dat
                 raise ValueError(f"{flag}: give weights for every file or for none ({items})")
         sources = [DataSource(path) for item in items for path in expand_path(item, flag)]
     for source in sources:
+        if is_indexed_prefix(source.path):
+            continue
         if not Path(source.path).is_file():
             raise FileNotFoundError(f"{flag}: no such file: {source.path}")
         if Path(source.path).suffix.lower() not in SUFFIXES:
@@ -165,8 +171,12 @@ def expand_path(item: str, flag: str = "--data-path") -> list[str]:
     return [item]
 
 
-def read_documents(path: str, text_field: str = "text") -> list[str]:
-    """All documents of one file. Plain-text files are one document each."""
+def read_documents(path: str, text_field: str = "text",
+                   data_tokenizer: str | None = None) -> list[str]:
+    """All documents of one file. Plain-text files are one document each; a Megatron indexed
+    dataset's prefix is decoded with ``data_tokenizer`` (the tokenizer that made it)."""
+    if is_indexed_prefix(path):
+        return read_indexed_documents(path, data_tokenizer)
     kind = SUFFIXES.get(Path(path).suffix.lower())
     if kind == "jsonl":
         return _read_jsonl(path, text_field)
@@ -180,10 +190,18 @@ def read_documents(path: str, text_field: str = "text") -> list[str]:
     raise ValueError(f"{path}: unsupported file type; expected one of {sorted(SUFFIXES)}")
 
 
+def source_size(path: str) -> int:
+    """Bytes of a source: its file, or both files of a Megatron indexed dataset's prefix."""
+    files = indexed_files(path) if is_indexed_prefix(path) else [path]
+    return sum(os.path.getsize(f) for f in files)
+
+
 def source_fingerprint(sources: Sequence[DataSource]) -> list[list]:
     """What identifies the inputs for caching: path, size, mtime and weight of each file."""
     out = []
     for source in sources:
-        stat = os.stat(source.path)
-        out.append([os.path.abspath(source.path), stat.st_size, int(stat.st_mtime), source.weight])
+        files = indexed_files(source.path) if is_indexed_prefix(source.path) else [source.path]
+        for path in files:
+            stat = os.stat(path)
+            out.append([os.path.abspath(path), stat.st_size, int(stat.st_mtime), source.weight])
     return out

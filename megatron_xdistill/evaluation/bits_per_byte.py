@@ -73,13 +73,14 @@ def document_windows(ids: Sequence[int], start: int, seq_length: int) -> list[li
 
 
 def read_texts(paths: Sequence[str], text_field: str = "text", max_docs: int | None = None,
-               max_chars: int | None = None) -> list[str]:
-    """Documents of the files in order (``max_docs`` first ones, each cut to ``max_chars``)."""
+               max_chars: int | None = None, data_tokenizer: str | None = None) -> list[str]:
+    """Documents of the files in order (``max_docs`` first ones, each cut to ``max_chars``);
+    ``data_tokenizer`` decodes Megatron indexed datasets (``PREFIX.bin/.idx``)."""
     from megatron_xdistill.data.sources import read_documents
 
     docs: list[str] = []
     for path in paths:
-        docs.extend(read_documents(path, text_field))
+        docs.extend(read_documents(path, text_field, data_tokenizer))
         if max_docs is not None and len(docs) >= max_docs:
             break
     docs = docs[:max_docs] if max_docs is not None else docs
@@ -236,15 +237,17 @@ def _tokenizer_dir(load: str | None, hf_dir: str | None, tokenizer: str | None) 
 def evaluate(data: Sequence[str], load: str | None = None, hf_dir: str | None = None,
              tokenizer: str | None = None, text_field: str = "text", seq_length: int = 512,
              micro_batch_size: int = 4, max_docs: int | None = None,
-             max_chars: int | None = None, log: Callable[[str], None] | None = None
-             ) -> EvalResult:
-    """Bits per byte of a Megatron checkpoint (``load``) or an HF folder (``hf_dir``)."""
+             max_chars: int | None = None, log: Callable[[str], None] | None = None,
+             data_tokenizer: str | None = None) -> EvalResult:
+    """Bits per byte of a Megatron checkpoint (``load``) or an HF folder (``hf_dir``).
+    ``data_tokenizer``: decodes Megatron indexed datasets (default: the model's tokenizer)."""
     if (load is None) == (hf_dir is None):
         raise ValueError("give exactly one of --load and --hf-dir")
     from megatron_xdistill.align import load_tokenizer
 
-    tok = load_tokenizer(_tokenizer_dir(load, hf_dir, tokenizer))
-    documents = read_texts(data, text_field, max_docs, max_chars)
+    tokenizer_dir = _tokenizer_dir(load, hf_dir, tokenizer)
+    tok = load_tokenizer(tokenizer_dir)
+    documents = read_texts(data, text_field, max_docs, max_chars, data_tokenizer or tokenizer_dir)
     what = load if load is not None else hf_dir
     if log is not None:
         log(f"loading {what}")
@@ -274,6 +277,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--text-field", default="text")
     p.add_argument("--tokenizer-model", "--tokenizer", dest="tokenizer", default=None,
                    help="HF tokenizer directory (default: the checkpoint's hf_files/ or --hf-dir)")
+    p.add_argument("--data-tokenizer-model", default=None,
+                   help="tokenizer that made the Megatron indexed datasets (PREFIX.bin/.idx) "
+                        "among --data-path (default: the model's tokenizer)")
     p.add_argument("--seq-length", type=int, default=512, help="predictions per window")
     p.add_argument("--micro-batch-size", type=int, default=4, help="windows per forward")
     p.add_argument("--max-docs", type=int, default=None, help="only the first N documents")
@@ -296,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = evaluate(args.data, load=args.load, hf_dir=args.hf_dir, tokenizer=args.tokenizer,
                           text_field=args.text_field, seq_length=args.seq_length,
                           micro_batch_size=args.micro_batch_size, max_docs=args.max_docs,
-                          max_chars=args.max_chars, log=log)
+                          max_chars=args.max_chars, log=log,
+                          data_tokenizer=args.data_tokenizer_model)
     except (ValueError, FileNotFoundError) as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2

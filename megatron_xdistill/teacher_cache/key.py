@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_xdistill.data.sources import source_size
+
 
 def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
             teacher_vocab_hash: str, sources: Sequence, text_field: str, seq_length: int,
@@ -22,7 +24,7 @@ def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
     return {
         "teacher": {"checkpoint": teacher_checkpoint, "precision": "bf16" if bf16 else "fp32"},
         "tokenizers": {"student": student_vocab_hash, "teacher": teacher_vocab_hash},
-        "data": {"files": [[os.path.basename(s.path), os.path.getsize(s.path), s.weight]
+        "data": {"files": [[os.path.basename(s.path), source_size(s.path), s.weight]
                            for s in sources],
                  "text_field": text_field, "seq_length": seq_length,
                  "teacher_seq_length": teacher_seq_length, "seed": seed,

@@ -102,9 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", required=True,
-                   help="training files ([weight] path ...): .jsonl/.parquet/.arrow/.txt")
+                   help="training files ([weight] path ...): .jsonl/.parquet/.arrow/.txt, globs, "
+                        "HF datasets folders, Megatron indexed dataset prefixes (PREFIX.bin/.idx)")
     g.add_argument("--valid-data-path", nargs="+", default=None, help="held-out files")
     g.add_argument("--text-field", default="text", help="field/column holding the text")
+    g.add_argument("--data-tokenizer-model", default=None,
+                   help="HF tokenizer directory that made the Megatron indexed datasets "
+                        "(PREFIX.bin/.idx) among the data paths; they are decoded back to text "
+                        "with it (default: --tokenizer-model, as in Megatron-LM)")
     g.add_argument("--seq-length", type=int, required=True, help="student sequence length")
     g.add_argument("--teacher-seq-length", type=int, default=None,
                    help="teacher sequence length (default: derived from the data: the 98th "
@@ -319,7 +324,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_teacher_cache(args)
     for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),
                        ("--tokenizer-model", args.tokenizer_model),
-                       ("--teacher-tokenizer-model", args.teacher_tokenizer_model)):
+                       ("--teacher-tokenizer-model", args.teacher_tokenizer_model),
+                       ("--data-tokenizer-model", args.data_tokenizer_model)):
         _check(path is None or os.path.isdir(path), f"{flag}: no such directory: {path}")
     if args.projection_path is not None:
         _check(os.path.isfile(args.projection_path),

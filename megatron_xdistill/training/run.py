@@ -59,7 +59,17 @@ def _documents(args, paths, what: str):
     from megatron_xdistill.data.sources import parse_data_path
 
     sources = parse_data_path(paths, "--data-path" if what == "train" else "--valid-data-path")
-    return (sources, *load_documents(sources, args.text_field))
+    return (sources, *load_documents(sources, args.text_field, _data_tokenizer(args, sources)))
+
+
+def _data_tokenizer(args, sources) -> str | None:
+    """The tokenizer that decodes the Megatron indexed datasets among ``sources`` (None when
+    there are none): --data-tokenizer-model, else --tokenizer-model as in Megatron-LM."""
+    from megatron_xdistill.data.indexed import is_indexed_prefix
+
+    if not any(is_indexed_prefix(s.path) for s in sources):
+        return None
+    return args.data_tokenizer_model or args.tokenizer_model
 
 
 def _derive_teacher_length(args, documents, aligner) -> None:
@@ -84,7 +94,8 @@ def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
 
     sources, documents, counts = loaded or _documents(args, paths, what)
     key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
-                   args.seq_length, args.teacher_seq_length, args.seed, num_samples)
+                   args.seq_length, args.teacher_seq_length, args.seed, num_samples,
+                   _data_tokenizer(args, sources))
     cache = args.data_cache_path
     path = os.path.join(cache, f"{what}_plan_{key}.npz")
     if dist.get_rank() == 0:
