@@ -54,6 +54,9 @@ def test_defaults_are_derived(base):
     (["--optimizer", "sgd", "--use-distributed-optimizer"], 2,
      r"--optimizer sgd does not work with --use-distributed-optimizer"),
     (["--optimizer", "sgd", "--sgd-momentum", "1"], 1, r"--sgd-momentum 1.0 must be in \[0, 1\)"),
+    (["--split", "99,1", "--valid-data-path", "v.jsonl"], 1, r"drop --valid-data-path"),
+    (["--split", "a,b"], 1, r"--split 'a,b': expected up to three non-negative shares"),
+    (["--eval-interval", "5"], 1, r"--eval-interval needs --valid-data-path or --split"),
 ])
 def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):

@@ -270,3 +270,33 @@ def test_indexed_data_tokenizer_defaults_to_the_student_tokenizer(tmp_path):
     assert _data_tokenizer(args, text) is None
     args.data_tokenizer_model = "teacher_tok"
     assert _data_tokenizer(args, indexed + text) == "teacher_tok"
+
+
+def test_split_ranges_follow_megatron_lm():
+    """Hand-computed Megatron-LM parts: part i of n documents is [round(b_i n), round(e_i n)) of
+    the normalised shares; an empty share is no part."""
+    from megatron_xdistill.data.split import split_ranges
+
+    assert split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
+    assert split_ranges("80,20", 7) == [(0, 6), (6, 7), None]  # round(5.6) = 6
+    assert split_ranges("98,2,0", 10) == [(0, 10), (10, 10), None]
+    assert split_ranges("1", 5) == [(0, 5), None, None]
+
+
+def test_split_parts_per_source_and_refusals(tmp_path):
+    from megatron_xdistill.data.split import check_split, split_loaded
+
+    a, b = DataSource("a.jsonl"), DataSource("b.jsonl")
+    docs = [f"a{i}" for i in range(10)] + [f"b{i}" for i in range(4)]
+    train, valid = split_loaded(([a, b], docs, [10, 4]), "75,25")
+    assert train[1:] == ([f"a{i}" for i in range(8)] + ["b0", "b1", "b2"], [8, 3])
+    assert valid[1:] == (["a8", "a9", "b3"], [2, 1])
+    weighted = [DataSource("a.jsonl", 0.5), DataSource("b.jsonl", 0.5)]
+    with pytest.raises(ValueError, match="leaves b.jsonl no validation documents"):
+        split_loaded((weighted, docs[:10] + ["b0"], [10, 1]), "90,10")
+    with pytest.raises(ValueError, match="leaves no validation documents"):
+        split_loaded(([a], docs[:3], [3]), "99,1")
+    with pytest.raises(ValueError, match="gives training no documents"):
+        check_split("0,1,0")
+    with pytest.raises(ValueError, match="train,valid,test"):
+        check_split("90,5,3,2")

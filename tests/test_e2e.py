@@ -288,3 +288,29 @@ def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_
     assert sorted(got) == sorted(want) == list(range(STEPS + 1))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=RTOL), f"eval after step {step}"
+
+
+def test_split_trains_and_evaluates_the_parts_megatron_would(e2e_setup, e2e_pool):
+    """``--split 75,25`` of one file trains and evaluates exactly like the two files holding
+    Megatron's parts of it (documents [0, round(0.75 n)) and the rest) given as --data-path and
+    --valid-data-path."""
+    root, s_tok, t_tok = e2e_setup
+    lines = (ASSETS / "corpora" / "enwiki_val.jsonl").read_text().splitlines()
+    texts = [json.loads(x)["text"][:3000] for x in lines if json.loads(x)["text"].strip()][:8]
+    cut = round(0.75 * len(texts))
+
+    def jsonl(name: str, docs: list[str]) -> str:
+        path = root / name
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+        return str(path)
+
+    whole, train, valid = (jsonl("split_all.jsonl", texts), jsonl("split_train.jsonl", texts[:cut]),
+                           jsonl("split_valid.jsonl", texts[cut:]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "split", [
+        "--data-path", whole, "--split", "75,25", *EVAL_EVERY_STEP]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "split_files", [
+        "--data-path", train, "--valid-data-path", valid, *EVAL_EVERY_STEP]))
+    assert len(_losses(root, "split")) == STEPS
+    assert _losses(root, "split") == _losses(root, "split_files")
+    assert sorted(_evals(root, "split")) == list(range(STEPS + 1))
+    assert _evals(root, "split") == _evals(root, "split_files")

@@ -177,13 +177,16 @@ class _Packer:
 
 def plan_key(sources: Sequence[DataSource], text_field: str, student_name: str,
              teacher_name: str, seq_length: int, teacher_seq_length: int, seed: int,
-             num_samples: int, data_tokenizer: str | None = None) -> str:
-    """Cache key of a plan: inputs, tokenizers, lengths, seed and size (and the tokenizer that
-    decodes Megatron indexed datasets, where there are some)."""
+             num_samples: int, data_tokenizer: str | None = None,
+             split: str | None = None) -> str:
+    """Cache key of a plan: inputs, tokenizers, lengths, seed and size (and, where they apply,
+    the tokenizer that decodes Megatron indexed datasets and the --split of the documents)."""
     parts = [PLAN_VERSION, source_fingerprint(sources), text_field, student_name, teacher_name,
              seq_length, teacher_seq_length, seed, num_samples]
     if data_tokenizer is not None:
         parts.append(data_tokenizer)
+    if split is not None:
+        parts.append(["split", split])
     blob = json.dumps(parts)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 

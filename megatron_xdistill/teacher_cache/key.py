@@ -14,7 +14,8 @@ from megatron_xdistill.data.sources import source_size
 def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
             teacher_vocab_hash: str, sources: Sequence, text_field: str, seq_length: int,
             teacher_seq_length: int, seed: int, num_samples: int, form: str, topk: int,
-            temperature: float, numel: int, common_teacher_ids=None) -> dict:
+            temperature: float, numel: int, common_teacher_ids=None,
+            split: str | None = None) -> dict:
     """Nested key: ``teacher``, ``tokenizers``, ``data`` (files by name and size: a copied
     corpus keeps its cache; each sample's tokens are checked on read anyway) and ``payload``."""
     common = None
@@ -28,7 +29,7 @@ def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
                            for s in sources],
                  "text_field": text_field, "seq_length": seq_length,
                  "teacher_seq_length": teacher_seq_length, "seed": seed,
-                 "num_samples": num_samples},
+                 "num_samples": num_samples, **({} if split is None else {"split": split})},
         "payload": {"form": form, "topk": topk, "temperature": temperature,
                     "common_vocab": common, "numel": numel},
     }

@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training files ([weight] path ...): .jsonl/.parquet/.arrow/.txt, globs, "
                         "HF datasets folders, Megatron indexed dataset prefixes (PREFIX.bin/.idx)")
     g.add_argument("--valid-data-path", nargs="+", default=None, help="held-out files")
+    g.add_argument("--split", default=None,
+                   help="Megatron-LM's train,valid,test document split of --data-path (e.g. "
+                        "969,30,1): the valid part is held out and evaluated instead of "
+                        "--valid-data-path, the test part is not used")
     g.add_argument("--text-field", default="text", help="field/column holding the text")
     g.add_argument("--data-tokenizer-model", default=None,
                    help="HF tokenizer directory that made the Megatron indexed datasets "
@@ -321,6 +325,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                 and getattr(args, "teacher_placement", "colocated") == "disaggregated"),
            "--kd-weight 0 trains on CE alone and runs no teacher: drop "
            "--teacher-placement disaggregated (its teacher ranks would idle)")
+    _check(args.split is None or args.valid_data_path is None,
+           "--split holds validation documents out of --data-path; drop --valid-data-path (or "
+           "--split)")
+    if args.split is not None:
+        from megatron_xdistill.data.split import check_split
+
+        check_split(args.split)
     _check_teacher_cache(args)
     for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),
                        ("--tokenizer-model", args.tokenizer_model),
@@ -333,7 +344,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.save_interval is not None:
         _check(args.save is not None, "--save-interval needs --save")
     if args.eval_interval is not None:
-        _check(args.valid_data_path is not None, "--eval-interval needs --valid-data-path")
+        _check(args.valid_data_path is not None or args.split is not None,
+               "--eval-interval needs --valid-data-path or --split")
     if args.data_cache_path is None:
         args.data_cache_path = (os.path.join(args.save, "data_cache") if args.save else
                                 os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(

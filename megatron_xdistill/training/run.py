@@ -95,7 +95,7 @@ def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
     sources, documents, counts = loaded or _documents(args, paths, what)
     key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
                    args.seq_length, args.teacher_seq_length, args.seed, num_samples,
-                   _data_tokenizer(args, sources))
+                   _data_tokenizer(args, sources), args.split)
     cache = args.data_cache_path
     path = os.path.join(cache, f"{what}_plan_{key}.npz")
     if dist.get_rank() == 0:
@@ -157,6 +157,13 @@ def _train(args, started: float) -> int:
                            load_tokenizer(args.teacher_tokenizer_model))
     _check_vocabularies(args, aligner)
     train_docs = _documents(args, args.data_path, "train")
+    valid_docs = None  # --split: the validation part of --data-path
+    if args.split is not None:
+        from megatron_xdistill.data.split import split_loaded
+
+        train_docs, valid_docs = split_loaded(train_docs, args.split)
+        _log(f"> --split {args.split}: {len(train_docs[1])} training and {len(valid_docs[1])} "
+             f"validation documents of --data-path")
     _derive_teacher_length(args, train_docs[1], aligner)
     # Resume from --save if it holds a run, else from --load if that is a run; otherwise --load
     # is a converted model (xdistill-convert) and training starts at iteration 0.
@@ -192,9 +199,9 @@ def _train(args, started: float) -> int:
     steps = StepBatches(dataset, sampler, args.num_workers)
 
     eval_batches = None
-    if args.valid_data_path:
+    if args.valid_data_path or valid_docs is not None:
         n_eval = args.eval_iters * args.global_batch_size  # Megatron-LM: global batches
-        v_docs, v_plan = _plan(args, args.valid_data_path, aligner, n_eval, "valid")
+        v_docs, v_plan = _plan(args, args.valid_data_path, aligner, n_eval, "valid", valid_docs)
         v_set = DistillationDataset(v_docs, v_plan, aligner, args.seq_length,
                                     args.teacher_seq_length)
         if distiller.has_student:  # evaluation runs on the student ranks only

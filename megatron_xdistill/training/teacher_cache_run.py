@@ -47,7 +47,7 @@ def open_teacher_cache(args, aligner, log=print):
         sources=parse_data_path(args.data_path, "--data-path"), text_field=args.text_field,
         seq_length=args.seq_length, teacher_seq_length=args.teacher_seq_length, seed=args.seed,
         num_samples=num_samples, form=form, topk=args.kd_topk, temperature=args.kd_temperature,
-        numel=spec.numel, common_teacher_ids=common)
+        numel=spec.numel, common_teacher_ids=common, split=args.split)
     cache.check(key)
     return cache, teacher_info, num_samples
 
