@@ -202,6 +202,48 @@ def all_ranks_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+def write_collectively(final: str, write: Callable[[str], None], *, replace: bool,
+                       after_commit: Callable[[], None] | None = None) -> None:
+    """Collective: a checkpoint folder that appears whole or not at all.
+
+    Every rank runs ``write(tmp)`` into ``<final>.tmp``; once all of them succeeded, rank 0
+    renames it to ``final`` (an existing ``final`` is replaced, through a rename aside, only
+    with ``replace``) and runs ``after_commit`` (e.g. the tracker file). If any rank fails,
+    every rank raises (the failing one its own error) and the temporary folder is removed."""
+    rank = dist.get_rank()
+    tmp = final + ".tmp"
+    if rank == 0:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        os.makedirs(tmp)
+    dist.barrier()
+    error: BaseException | None = None
+    try:
+        write(tmp)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn about it, then re-raise
+        error = exc
+    ok = all_ranks_ok(error is None)
+    if rank == 0:
+        if ok:
+            old = final + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            if os.path.exists(final):
+                if not replace:
+                    raise FileExistsError(f"{final} appeared while it was being written")
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            if after_commit is not None:
+                after_commit()
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    if error is not None:
+        raise error
+    if not ok:
+        raise CheckpointError(f"saving {final} failed on another rank; nothing was written")
+
+
 def save_megatron_checkpoint(
     model,
     ckpt_dir: str,
@@ -221,37 +263,15 @@ def save_megatron_checkpoint(
     ckpt_dir = os.path.abspath(ckpt_dir)
     if os.path.exists(ckpt_dir) and not overwrite:
         raise FileExistsError(f"{ckpt_dir} exists; pass overwrite=True (--overwrite) to replace")
-    rank = dist.get_rank()
-    tmp = ckpt_dir + ".tmp"
-    if rank == 0:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    dist.barrier()
-    error: BaseException | None = None
-    try:
+
+    def write(tmp: str) -> None:
         dist_checkpointing.save(sharded_model_state_dict(model, pg_collection), tmp)
-        if rank == 0:
+        if dist.get_rank() == 0:
             save_model_info(info, tmp, extra)
             if before_commit is not None:
                 before_commit(tmp)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn about it, then re-raise
-        error = exc
-    ok = all_ranks_ok(error is None)
-    if rank == 0:
-        if ok:
-            old = ckpt_dir + ".old"
-            if os.path.exists(ckpt_dir):
-                os.replace(ckpt_dir, old)
-            os.replace(tmp, ckpt_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    if error is not None:
-        raise error
-    if not ok:
-        raise CheckpointError(f"saving {ckpt_dir} failed on another rank; nothing was written")
+
+    write_collectively(ckpt_dir, write, replace=overwrite)
     return ckpt_dir
 
 

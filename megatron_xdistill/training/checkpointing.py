@@ -14,7 +14,6 @@ collective over the whole world (dist_checkpointing's save is), so teacher ranks
 from __future__ import annotations
 
 import os
-import shutil
 import time
 
 import torch
@@ -25,6 +24,7 @@ from megatron_xdistill.models.model_checkpoint import (
     TRACKER_FILE,
     iteration_dir,
     tracked_iteration,
+    write_collectively,
 )
 from megatron_xdistill.storage import write_text_atomic
 
@@ -96,37 +96,28 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
     ``partial_world``: some ranks hold no part of the model (disaggregated teacher ranks); those
     call with ``model=None`` and write nothing, and every rank must pass True.
     """
-    rank = dist.get_rank()
     final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
-    dist.barrier()
-    state = {"common": common, "iteration": iteration}
-    if model is not None:
-        model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
-        state = {"model": model_state, **state}
-        if optimizer is not None:
-            state["optimizer"] = optimizer.sharded_state_dict(model_state,
-                                                              metadata=OPTIMIZER_METADATA)
-        if scheduler is not None:
-            state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(
-        state, tmp, preprocess_common_before_consistancy_check=_shared_common if partial_world
-        else None)
-    if model is not None:
-        torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank:05d}.pt"))
-    _pause_for_fault_tests()
-    dist.barrier()
-    if rank == 0:
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        write_text_atomic(os.path.join(root, TRACKER_FILE), str(iteration))
-    dist.barrier()
+
+    def write(tmp: str) -> None:
+        state = {"common": common, "iteration": iteration}
+        if model is not None:
+            model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
+            state = {"model": model_state, **state}
+            if optimizer is not None:
+                state["optimizer"] = optimizer.sharded_state_dict(model_state,
+                                                                  metadata=OPTIMIZER_METADATA)
+            if scheduler is not None:
+                state["scheduler"] = scheduler.state_dict()
+        dist_checkpointing.save(
+            state, tmp, preprocess_common_before_consistancy_check=_shared_common
+            if partial_world else None)
+        if model is not None:
+            torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist.get_rank():05d}.pt"))
+        _pause_for_fault_tests()
+
+    # The tracker names the new iteration only once its folder is complete.
+    write_collectively(final, write, replace=True, after_commit=lambda: write_text_atomic(
+        os.path.join(root, TRACKER_FILE), str(iteration)))
     return final
 
 
