@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,11 @@ class ModelParallelGroups:
     @property
     def coords(self) -> dict[str, int]:
         return self.layout.coords(dist.get_rank() - self.rank_offset)
+
+    def cp_local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's context-parallel share of a full-sequence tensor [b, s, ...] (the one
+        rule for tokens, positions, labels and chunk ids alike)."""
+        return slice_for_cp_rank(full, 1, self.coords["cp"], self.layout.cp)
 
     @property
     def is_first_stage(self) -> bool:

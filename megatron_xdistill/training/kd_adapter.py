@@ -20,7 +20,6 @@ from megatron_xdistill.loss import (
     predicting_chunk_id,
     teacher_payload,
 )
-from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.training.arguments import trains_ce_only
 
@@ -98,7 +97,7 @@ class KDObjective:
         groups = self.teacher
         width = logits.shape[1] * groups.layout.cp
         pred = predicting_chunk_id(batch["teacher_chunk_id"])[:, :width]
-        pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
+        pred = groups.cp_local(pred)
         payload = teacher_payload(
             logits.float(), pred, self.spec, vocab_size=self.teacher_vocab,
             temperature=self.args.kd_temperature, common_teacher_ids=self.common_teacher,
@@ -117,7 +116,7 @@ class KDObjective:
         groups = self.student
         labels = batch["tokens"][:, 1:].clone()
         labels[batch["loss_mask"] <= 0] = -1
-        return slice_for_cp_rank(labels, 1, groups.coords["cp"], groups.layout.cp)
+        return groups.cp_local(labels)
 
     def student_terms(self, logits: torch.Tensor, batch: dict,
                       payload_rows: torch.Tensor | None = None):
@@ -129,7 +128,7 @@ class KDObjective:
         if payload_rows is not None:
             payload = TeacherPayload.from_flat(payload_rows, self.spec)
             pred = predicting_chunk_id(batch["student_chunk_id"])[:, :width]
-            pred = slice_for_cp_rank(pred, 1, groups.coords["cp"], groups.layout.cp)
+            pred = groups.cp_local(pred)
         return parallel_kd_loss(
             logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,
             student_vocab_size=self.student_vocab, mode=self.mode,

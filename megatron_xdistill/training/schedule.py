@@ -16,17 +16,14 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 
 
 def cp_local_inputs(tokens: torch.Tensor, groups: ModelParallelGroups, device: torch.device
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """This CP rank's slice of ``tokens`` [b, s] and of their positions, on ``device``."""
-    cp, cp_rank = groups.layout.cp, groups.coords["cp"]
     positions = torch.arange(tokens.size(1)).expand(tokens.size(0), -1)
-    return (slice_for_cp_rank(tokens, 1, cp_rank, cp).to(device),
-            slice_for_cp_rank(positions, 1, cp_rank, cp).to(device))
+    return groups.cp_local(tokens).to(device), groups.cp_local(positions).to(device)
 
 
 def run_schedule(model, config, groups: ModelParallelGroups, microbatches: list, *,
