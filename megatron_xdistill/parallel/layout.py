@@ -16,44 +16,9 @@ from megatron.core.hyper_comm_grid import HyperCommGrid
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
+from megatron_xdistill.parallel.shape import ParallelLayout
 
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """Sizes of one model's layout. ``dp`` follows from the ranks it spans."""
-
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
-                  who: str = "model") -> ParallelLayout:
-        """Layout that fills ``world_size`` ranks; DP is the rest. Errors say what to change."""
-        for name, size in (("tensor", tp), ("context", cp), ("pipeline", pp)):
-            if size < 1:
-                raise ValueError(f"{who}: {name}-model-parallel size must be >= 1, got {size}")
-        model_parallel = tp * cp * pp
-        if world_size % model_parallel:
-            raise ValueError(
-                f"{who}: world size {world_size} is not divisible by TP x CP x PP = "
-                f"{tp} x {cp} x {pp} = {model_parallel}; change the {who} layout or the number "
-                f"of ranks"
-            )
-        return cls(tp=tp, cp=cp, pp=pp, dp=world_size // model_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """(tp, cp, dp, pp) coordinates of a rank within this layout (rank relative to offset)."""
-        tp = rank % self.tp
-        cp = (rank // self.tp) % self.cp
-        dp = (rank // (self.tp * self.cp)) % self.dp
-        pp = rank // (self.tp * self.cp * self.dp)
-        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+__all__ = ["ModelParallelGroups", "ParallelLayout", "build_model_parallel_groups"]
 
 
 @dataclass

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from megatron_xdistill.parallel.placement import PLACEMENTS, Placement
+from megatron_xdistill.parallel.shape import ParallelLayout
 
 KD_LOSSES = ("pkl", "gold", "hkl")
 TOPK_MODES = ("global", "chunk")
@@ -262,21 +263,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         cp = getattr(args, f"{prefix}context_parallel_size")
         flag = "--" + prefix.replace("_", "-")
         _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
+        flags = (f"{flag}tensor-model-parallel-size / {flag}pipeline-model-parallel-size / "
+                 f"{flag}context-parallel-size")
         if placement.disaggregated:
             split = ("--teacher-ranks" if who == "teacher" else
                      f"world size {world_size} - --teacher-ranks {placement.teacher_size}")
-            _check(ranks[who] % (tp * pp * cp) == 0,
-                   f"the {who}'s {ranks[who]} ranks ({split}) are not divisible by the {who}'s "
-                   f"TP x PP x CP = {tp} x {pp} x {cp}; change {flag}tensor-model-parallel-size / "
-                   f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size, "
-                   f"--teacher-ranks or the number of ranks (torchrun --nproc-per-node)")
+            subject = f"the {who}'s {ranks[who]} ranks ({split}) are"
+            fix = f"{flags}, --teacher-ranks or the number of ranks (torchrun --nproc-per-node)"
         else:
-            _check(world_size % (tp * pp * cp) == 0,
-                   f"world size {world_size} is not divisible by the {who}'s TP x PP x CP = "
-                   f"{tp} x {pp} x {cp}; change {flag}tensor-model-parallel-size / "
-                   f"{flag}pipeline-model-parallel-size / {flag}context-parallel-size or the "
-                   f"number of ranks (torchrun --nproc-per-node)")
-        dp[who] = ranks[who] // (tp * pp * cp)
+            subject = f"world size {world_size} is"
+            fix = f"{flags} or the number of ranks (torchrun --nproc-per-node)"
+        dp[who] = ParallelLayout.for_world(ranks[who], tp, cp, pp, who=who, ranks=subject,
+                                           fix=fix).dp
         if getattr(args, f"{prefix}sequence_parallel"):
             _check(tp > 1, f"{flag}sequence-parallel needs {flag}tensor-model-parallel-size > 1 "
                    f"(it splits the sequence over the TP ranks)")

@@ -1,0 +1,46 @@
+"""The sizes of one model's parallel layout (TP x CP x PP x DP) and its rank order, without
+torch or Megatron (argument checks use it before either is imported)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes of one model's layout. ``dp`` follows from the ranks it spans."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def for_world(cls, world_size: int, tp: int = 1, cp: int = 1, pp: int = 1,
+                  who: str = "model", ranks: str | None = None,
+                  fix: str | None = None) -> ParallelLayout:
+        """Layout that fills ``world_size`` ranks; DP is the rest. The one home of the rule
+        (the argument checks use it too): errors say what to change, ``ranks`` naming the ranks
+        (e.g. "world size 4 is") and ``fix`` the flags to change, where a caller knows them."""
+        for name, size in (("tensor", tp), ("context", cp), ("pipeline", pp)):
+            if size < 1:
+                raise ValueError(f"{who}: {name}-model-parallel size must be >= 1, got {size}")
+        model_parallel = tp * cp * pp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"{ranks or f'{who}: world size {world_size} is'} not divisible by the {who}'s "
+                f"TP x PP x CP = {tp} x {pp} x {cp}; change "
+                f"{fix or f'the {who} layout or the number of ranks'}")
+        return cls(tp=tp, cp=cp, pp=pp, dp=world_size // model_parallel)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """(tp, cp, dp, pp) coordinates of a rank within this layout (rank relative to offset)."""
+        tp = rank % self.tp
+        cp = (rank // self.tp) % self.cp
+        dp = (rank // (self.tp * self.cp)) % self.dp
+        pp = rank // (self.tp * self.cp * self.dp)
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
