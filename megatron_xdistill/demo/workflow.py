@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # megatron_xdistill/demo/ -> the checkout
 ENTRY = REPO_ROOT / "pretrain_xdistill.py"
 
 Log = Callable[[str], None]
