@@ -26,7 +26,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
 from megatron_xdistill.models.hf_config import ModelInfo
-from megatron_xdistill.storage import atomic_directory, write_json_atomic
+from megatron_xdistill.storage import (
+    atomic_directory,
+    refuse_existing,
+    swap_in_directory,
+    write_json_atomic,
+)
 
 MODEL_INFO_FILE = "xdistill_model.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -225,14 +230,9 @@ def write_collectively(final: str, write: Callable[[str], None], *, replace: boo
     ok = all_ranks_ok(error is None)
     if rank == 0:
         if ok:
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            if os.path.exists(final):
-                if not replace:
-                    raise FileExistsError(f"{final} appeared while it was being written")
-                os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if not replace:
+                refuse_existing(final, replace)  # appeared while it was being written
+            swap_in_directory(tmp, final)
             if after_commit is not None:
                 after_commit()
         else:
@@ -261,8 +261,7 @@ def save_megatron_checkpoint(
     only with ``overwrite=True``.
     """
     ckpt_dir = os.path.abspath(ckpt_dir)
-    if os.path.exists(ckpt_dir) and not overwrite:
-        raise FileExistsError(f"{ckpt_dir} exists; pass overwrite=True (--overwrite) to replace")
+    refuse_existing(ckpt_dir, overwrite)
 
     def write(tmp: str) -> None:
         dist_checkpointing.save(sharded_model_state_dict(model, pg_collection), tmp)

@@ -58,6 +58,18 @@ def refuse_existing(path: str | os.PathLike, replace: bool) -> None:
         raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
 
 
+def swap_in_directory(staging: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Rename a complete ``staging`` folder onto ``path``; an existing ``path`` is moved aside
+    first and deleted after the rename, so a crash leaves one of the two whole."""
+    path = Path(path)
+    old = path.parent / f".{path.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(staging, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, replace: bool = False) -> Iterator[Path]:
     """Yield an empty staging folder beside ``path`` to fill in the block; when it completes the
@@ -75,12 +87,7 @@ def atomic_directory(path: str | os.PathLike, *, replace: bool = False) -> Itera
     staging.mkdir()
     try:
         yield staging
-        old = path.parent / f".{path.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if path.exists():
-            os.replace(path, old)
-        os.replace(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in_directory(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
