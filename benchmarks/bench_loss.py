@@ -77,6 +77,30 @@ On the GPU the memory target holds but the time target (<= 1.5x CE) is missed by
 block loop issues many small kernels and host syncs per block (CE is a few fused passes at
 HBM speed), so the GPU waits on the host. Fusing the per-block work (torch.compile or Triton)
 is the open item; a NeMo-RL-style dense P-KL core measured 3.4-4.3x CE on an H100.
+
+On one H200 (same software and command, 2026-11-26; fp32; old = commit 74eaced, new = the W
+entries of the column forms expanded once per call with block-relative indices,
+``loss/block_entries.py``, so a block issues no index arithmetic and no host waits; run in one
+call on the same machine):
+
+  V_s      method        block     ms    x CE   extra / logits
+  49,152   megatron CE             12    1.00      0.0%
+  49,152   topk          old 64    39    3.31      8.6%
+  49,152   topk          new 64    35    2.97      8.6%
+  49,152   topk          new 256   30    2.53      9.6%
+  49,152   chunk_topk    old 64    59    4.98     10.4%
+  49,152   chunk_topk    new 64    46    3.90     10.4%
+  49,152   chunk_topk    new 256   43    3.62     11.4%
+  128,256  megatron CE             30    1.00      0.0%
+  128,256  topk          new 64    83    2.77      5.3%
+  128,256  chunk_topk    new 64   120    4.01      5.9%
+
+(The H100 table above came from another machine and host; compare within a table.) A profile
+of the new chunk top-k step (k = 64, fused CE) on the H200: 6,105 kernels, the GPU busy 21.7 ms
+(softmax 7.5 ms, the rest small kernels) while the host spent ~170 ms (under the profiler)
+launching them: launch-bound. The operations per block were then cut ~5-9x
+(``bench_loss_launches.py``: chunk top-k 209 -> 37 per block with CE), not yet timed on a GPU;
+a GPU test checks that the host waits do not grow with the number of blocks (36-39 per call).
 """
 
 from __future__ import annotations

@@ -138,7 +138,7 @@ def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
         case.chunk_exact, case.projection_rows(case.student_logits.shape[-1]),
         student_vocab_size=case.vs, mode=mode, temperature=1.5,
         common_student_ids=None if common[0] is None else common[0].to(dev),
-        labels=case.labels)
+        labels=case.labels, block_bytes=4 * 320 * 16)  # ~16 positions a block: several blocks
     loss = terms.kd_sum / terms.kd_count + terms.ce_sum / terms.ce_count
     loss.backward()
 
@@ -155,6 +155,57 @@ def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     scale = z.grad.abs().max().item()
     torch.testing.assert_close(grad[..., : case.vs], z.grad, rtol=1e-5, atol=1e-5 * scale)
     assert torch.count_nonzero(grad[..., case.vs:]) == 0
+
+
+def _synchronisations(fn) -> int:
+    """How many times ``fn()`` made the host wait on the GPU (torch's sync debug mode)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in seen)
+
+
+@pytest.mark.parametrize("form,topk", [("topk", 12), ("chunk_topk", 6)])
+def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
+    """The column P-KL (the default payload) expands its W entries once per call: its forward
+    and backward wait on the GPU no more often with 40 blocks than with 2 (per-block waits were
+    a large part of the loss's time on an H100)."""
+    from megatron_xdistill.loss import parallel_kd_loss
+    from megatron_xdistill.loss.common import predicting_chunk_id
+    from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
+    from megatron_xdistill.testing.synthetic_kd import make_case
+
+    case = make_case(batch=3, ts=40, tt=32, vs=300, vt=250, vs_padded=320, vt_padded=256,
+                     seed=4, realistic=True, normalised_rows=True)
+    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk)
+    dev = torch.device("cuda")
+    payload = teacher_payload(case.teacher_logits.to(dev),
+                              predicting_chunk_id(case.teacher_chunk_id), spec, vocab_size=case.vt)
+    chunk_id = predicting_chunk_id(case.student_chunk_id)
+    projection = case.projection_rows(case.student_logits.shape[-1])
+    labels = case.labels.to(dev)
+    counts = {}
+    for positions in (64, 3):  # 120 positions: 2 blocks, then 40
+        logits = case.student_logits.to(dev).requires_grad_(True)
+
+        def step(logits=logits, positions=positions):
+            terms = parallel_kd_loss(logits, payload, chunk_id, case.chunk_valid,
+                                     case.chunk_exact, projection, student_vocab_size=case.vs,
+                                     labels=labels, block_bytes=4 * 320 * positions)
+            (terms.kd_sum + terms.ce_sum).backward()
+
+        step()  # warm-up: first-call setup is not what is counted
+        logits.grad = None
+        counts[positions] = _synchronisations(step)
+    # H200, 2026-11-26: 36 waits with 2 blocks, 35 with 40 (topk); 39 and 39 (chunk_topk)
+    assert counts[3] <= counts[64], f"host waits by block size (positions per block): {counts}"
 
 
 # ---------------------------------------------------------------------------- training

@@ -46,6 +46,9 @@ class ChunkRows:
     key_count: torch.Tensor   # [B * C] float64, CP-global count of every chunk slot
     key_owner: torch.Tensor   # [B * C] int64, owning CP rank of every slot (-1: no position)
     blocks: list[Block]
+    # Per position, relative to its block (so a block's work takes slices, not index arithmetic):
+    block_seg: torch.Tensor | None = None        # [N] row within the block, -1 for none
+    block_seg_dummy: torch.Tensor | None = None  # [N] the same, 'none' = the block's row count
 
     @property
     def num_rows(self) -> int:
@@ -117,7 +120,22 @@ def build_chunk_rows(
         key_count=key_count, key_owner=key_owner, blocks=[],
     )
     rows.blocks = _cut_blocks(key, valid, counts, block_tokens)
+    rows.block_seg, rows.block_seg_dummy = _block_relative(pos_row, rows.blocks)
     return rows
+
+
+def _block_relative(pos_row: torch.Tensor, blocks: list[Block]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row within the block or -1, row within the block or the block's row count) per
+    position."""
+    lengths = torch.tensor([b.end - b.start for b in blocks], dtype=torch.int64)
+    first_row = torch.repeat_interleave(
+        torch.tensor([b.row_start for b in blocks], dtype=torch.int64), lengths)
+    num_rows = torch.repeat_interleave(
+        torch.tensor([b.row_end - b.row_start for b in blocks], dtype=torch.int64), lengths)
+    has = pos_row >= 0
+    seg = torch.where(has, pos_row - first_row, -1)
+    return seg, torch.where(has, seg, num_rows)
 
 
 def _cut_blocks(key: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,

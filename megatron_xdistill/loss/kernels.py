@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .block_entries import BlockSlice, expand_block_entries
+from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .common import EPS, TINY
 from .formulas import gold_kl, projected_kl
@@ -43,11 +45,10 @@ class BlockData:
     seg: torch.Tensor          # [n] row within the block, -1 for none
     num_rows: int
     row_start: int             # first row's index among the rank's rows
+    seg_dummy: torch.Tensor    # [n] ``seg`` with 'none' = ``num_rows`` (for index_add / gather)
     extra: torch.Tensor | None = None  # [n] this shard's projected mass (tail bucket)
-
-    def seg_dummy(self) -> torch.Tensor:
-        """``seg`` with 'none' mapped to an extra row ``num_rows`` (for index_add / gather)."""
-        return torch.where(self.seg >= 0, self.seg, self.num_rows)
+    index: int = 0             # the block's place among the call's blocks
+    unit_factor: bool = False  # factor is all ones (one TP rank): kernels may skip it
 
 
 def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -121,13 +122,14 @@ class ColumnsKernel:
     per_block = False
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
-                 row_keys: torch.Tensor, reverse: bool, tp_group: Group) -> None:
+                 rows: ChunkRows, reverse: bool, tp_group: Group) -> None:
         self.payload, self.shard, self.num_real = payload, shard, num_real
         self.reverse, self.tp_group = reverse, tp_group
         self.tail = payload.spec.form == "chunk_topk"
         self.k = payload.spec.width
-        self.row_keys = row_keys
+        self.rows = rows
         self.row_sums = TailRowSums(shard.rowsum[:num_real].contiguous()) if self.tail else None
+        self._blocks: list[BlockSlice] | None = None
 
     def _columns(self, keys: torch.Tensor) -> torch.Tensor:
         cols = self.payload.columns
@@ -142,33 +144,26 @@ class ColumnsKernel:
             out["total"] = like.new_zeros(n)
         return out
 
-    def _expand(self, blk: BlockData) -> tuple[torch.Tensor, ...]:
-        """(position, flat index into a contiguous [n, V_real] block, weight, flat row*k+slot)
-        of every W entry the block uses. Flat indices and ``index_select`` / ``index_add_``
-        rather than 2-D advanced indexing: several times faster on CPU."""
-        keys = self.row_keys[blk.row_start: blk.row_start + blk.num_rows]
-        entries = self.shard.column_entries(self._columns(keys), self.num_real)
-        pos = torch.nonzero(blk.seg >= 0, as_tuple=True)[0]
-        row = blk.seg.index_select(0, pos)
-        length = entries.length.index_select(0, row)
-        total = int(length.sum())
-        pos_e = torch.repeat_interleave(pos, length)
-        first = torch.cumsum(length, 0) - length
-        ent = (torch.repeat_interleave(entries.offset.index_select(0, row) - first, length)
-               + torch.arange(total, device=pos.device))
-        flat = entries.row.index_select(0, ent) * self.k + entries.slot.index_select(0, ent)
-        lin = pos_e * self.num_real + entries.student.index_select(0, ent)
-        return pos_e, lin, entries.weight.index_select(0, ent), flat
+    def _expand(self, blk: BlockData) -> BlockSlice:
+        """The W entries of the block (expanded for all blocks on first use; see
+        :mod:`block_entries`)."""
+        if self._blocks is None:
+            dev = blk.x.device
+            keys = self.rows.keys.to(dev)
+            entries = self.shard.column_entries(self._columns(keys), self.num_real)
+            self._blocks = expand_block_entries(self.rows, entries, self.num_real, self.k, dev)
+        return self._blocks[blk.index]
 
     def raw(self, blk: BlockData) -> Raw:
-        pos, lin, weight, flat = self._expand(blk)
-        mass = (blk.probs_local.reshape(-1).index_select(0, lin)
-                * blk.factor.index_select(0, pos) * weight)
-        q = blk.x.new_zeros(blk.num_rows * self.k).index_add_(0, flat, mass)
+        e = self._expand(blk)
+        mass = blk.probs_local.reshape(-1).index_select(0, e.lin).mul_(e.weight)
+        if not blk.unit_factor:
+            mass.mul_(blk.factor.index_select(0, e.pos))
+        q = blk.x.new_zeros(blk.num_rows * self.k).index_add_(0, e.flat, mass)
         out = {"q": q.view(blk.num_rows, self.k)}
         if self.tail:
             out["total"] = blk.x.new_zeros(blk.num_rows + 1).index_add_(
-                0, blk.seg_dummy(), blk.extra)[:-1]
+                0, blk.seg_dummy, blk.extra)[:-1]
         return out
 
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
@@ -186,22 +181,29 @@ class ColumnsKernel:
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
         """``out`` holds ``probs_local``; leaves inv_t * dKL/dx + coef * p in it."""
-        pos, lin, weight, flat = self._expand(blk)
+        e = self._expand(blk)
         out_flat = out.view(-1)  # contiguous [n, V_real]
-        contrib = (out_flat.index_select(0, lin) * blk.factor.index_select(0, pos) * weight
-                   * grad["q"].reshape(-1).index_select(0, flat))
-        dot = torch.zeros_like(blk.logz).index_add_(0, pos, contrib)
+        contrib = out_flat.index_select(0, e.lin).mul_(e.weight).mul_(
+            grad["q"].reshape(-1).index_select(0, e.flat))
+        if not blk.unit_factor:
+            contrib.mul_(blk.factor.index_select(0, e.pos))
+        dot = torch.zeros_like(blk.logz).index_add_(0, e.pos, contrib)
         if self.tail:
-            g_total = _with_zero_row(grad["total"])[blk.seg_dummy()]
+            g_total = _with_zero_row(grad["total"])[blk.seg_dummy]
             dot += g_total * blk.extra
         all_reduce(dot, self.tp_group)
         # dKL/dp = entries (+ g_total * rowsum); dKL/dx = p * (dKL/dp - <p, dKL/dp>)
-        base = blk.factor * (coef - inv_t * dot)
+        base = torch.add(coef, dot, alpha=-inv_t)
+        scale = g_total * inv_t if self.tail else None
+        if not blk.unit_factor:
+            base.mul_(blk.factor)
+            if self.tail:
+                scale.mul_(blk.factor)
         if self.tail:
-            self.row_sums.scale_(out, base, blk.factor * inv_t * g_total)
+            self.row_sums.scale_(out, base, scale)
         else:
             out.mul_(base[:, None])
-        out_flat.index_add_(0, lin, contrib.mul_(inv_t))
+        out_flat.index_add_(0, e.lin, contrib.mul_(inv_t))
 
 
 class DenseKernel:
@@ -303,7 +305,7 @@ class GoldKernel:
         return {"x": like.new_zeros(n, self.num_real), "lz": like.new_zeros(n)}
 
     def raw(self, blk: BlockData) -> Raw:
-        seg = blk.seg_dummy()
+        seg = blk.seg_dummy
         xsum = blk.x.new_zeros(blk.num_rows + 1, blk.x.shape[1]).index_add_(0, seg, blk.x)
         lz = blk.x.new_zeros(blk.num_rows + 1).index_add_(0, seg, blk.logz)
         return {"x": xsum[:-1], "lz": lz[:-1]}
@@ -340,7 +342,7 @@ class GoldKernel:
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
-        seg = blk.seg_dummy()
+        seg = blk.seg_dummy
         # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
         g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
         out.mul_((blk.factor * (inv_t * _with_zero_row(g_lz)[seg] + coef))[:, None])

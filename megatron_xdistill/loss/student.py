@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .chunk_rows import ChunkRows, build_chunk_rows
-from .collectives import Group, all_gather, all_reduce, group_rank
+from .collectives import Group, all_gather, all_reduce, group_rank, group_size
 from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
 from .kernels import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
 from .payload import TeacherPayload
@@ -64,6 +64,8 @@ class _Plan:
         self.max_block = max_block
         self.dtype = torch.float32  # compute dtype (float64 for float64 logits, e.g. gradcheck)
         self.split_raw: Raw | None = None
+        # One TP rank: the shard's softmax is the softmax (no reductions, factor 1).
+        self.single = group_size(tp_group) == 1
 
     # ----------------------------------------------------------------- shared helpers
     def _workspace(self, n: int, like: torch.Tensor, name: str) -> torch.Tensor:
@@ -90,25 +92,30 @@ class _Plan:
         torch.ops.aten._softmax.out(x, 1, False, out=out)
         return x.amax(1) - out.amax(1).log()  # the largest p is 1 / sum exp(x - max x)
 
-    def _targets(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(position has a label, local column of the label or -1) for positions [start, end)."""
-        y = self.labels[start:end]
+    def _targets(self) -> None:
+        """Per position, once per call: has a label (as 0/1 in the compute dtype), the label's
+        local column (clamped to 0 where it is elsewhere, for gathers) and whether it is
+        local. Blocks take slices: no per-block index arithmetic."""
+        y = self.labels
         col = y - self.vocab_start
         local = (y >= 0) & (col >= 0) & (col < self.num_real)
-        return y >= 0, torch.where(local, col, -1)
+        self.has_label = (y >= 0).to(self.dtype)
+        self.label_local = local
+        self.label_col = torch.where(local, col, 0)[:, None]
 
     @property
     def _ce_extra(self) -> bool:
         """CE needs its own softmax (T != 1)."""
         return self.labels is not None and self.temp != 1.0
 
-    def _block(self, x, probs_local, lz_local, blk) -> BlockData:
-        seg = self.rows.pos_row[blk.start: blk.end]
-        seg = torch.where(seg >= 0, seg - blk.row_start, seg)
-        logz = self.logz[blk.start: blk.end]
-        extra = None if self.extra is None else self.extra[blk.start: blk.end]
-        return BlockData(x, probs_local, torch.exp(lz_local - logz), logz, seg,
-                         blk.row_end - blk.row_start, blk.row_start, extra)
+    def _block(self, x, probs_local, lz_local, blk, index: int) -> BlockData:
+        rows, lo, hi = self.rows, blk.start, blk.end
+        logz = self.logz[lo:hi]
+        factor = self.ones[lo:hi] if self.single else torch.exp(lz_local - logz)
+        extra = None if self.extra is None else self.extra[lo:hi]
+        return BlockData(x, probs_local, factor, logz, rows.block_seg[lo:hi],
+                         blk.row_end - blk.row_start, blk.row_start, rows.block_seg_dummy[lo:hi],
+                         extra, index, unit_factor=self.single)
 
     # ----------------------------------------------------------------- forward
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,19 +130,24 @@ class _Plan:
         if self.tail is not None:
             self.tail = kernel.row_sums = self.tail.to(self.dtype)
         opts = {"device": dev, "dtype": self.dtype}
-        self.logz, self.lz_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
+        self.lz_local = torch.empty(n_pos, **opts)
+        self.logz = self.lz_local if self.single else torch.empty(n_pos, **opts)
+        self.ones = torch.ones(n_pos, **opts) if self.single else None
         if self._ce_extra:
-            self.logz1, self.lz1_local = torch.empty(n_pos, **opts), torch.empty(n_pos, **opts)
+            self.lz1_local = torch.empty(n_pos, **opts)
+            self.logz1 = self.lz1_local if self.single else torch.empty(n_pos, **opts)
+        if self.labels is not None:
+            self._targets()
         self.extra = torch.empty(n_pos, **opts) if self.tail is not None else None
         acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
         raws, split_buf = [], None
-        for blk in rows.blocks:
+        for index, blk in enumerate(rows.blocks):
             x = self._x(logits2d, blk.start, blk.end)
             probs = self._workspace(blk.end - blk.start, x, "p")
-            lz_local = self._partition(x, probs, logits2d, blk.start, blk.end, acc)
+            lz_local = self._partition(x, probs, logits2d, blk.start, blk.end)
             if blk.row_end == blk.row_start:
                 continue
-            data = self._block(x, probs, lz_local, blk)
+            data = self._block(x, probs, lz_local, blk, index)
             raw = kernel.raw(data)
             if kernel.per_block:
                 split_buf = self._stash_split(raw, blk, split_buf)
@@ -152,43 +164,49 @@ class _Plan:
                 acc[1] += t1.double().sum()
                 split_buf = self._stash_split(self.raw_all, None, split_buf)
         acc[:2] += self._finish_split(split_buf, logits2d)
+        if self.labels is not None:
+            acc[2] += self._ce_sum(logits2d)
         self.kd_count = rows.owned.sum().double()
         self.top1 = acc[1]
         self.ce_count = (torch.zeros((), dtype=torch.float64) if self.labels is None
                          else (self.labels >= 0).sum().double())
         return (acc[0] * self.temp ** 2).to(self.dtype), acc[2].to(self.dtype)
 
-    def _partition(self, x, probs, logits2d, start: int, end: int, acc) -> torch.Tensor:
-        """Local softmax into ``probs``; TP-wide log-partitions (and CE's) into the saved
-        per-position values; adds this block's CE to ``acc[2]``. Returns the local log-partition.
-        One max and one sum all-reduce over TP."""
-        lz_local = self._local_softmax(x, probs)
-        maxes = [lz_local]
+    def _ce_sum(self, logits2d: torch.Tensor) -> torch.Tensor:
+        """Next-token CE summed over the labelled positions, for all blocks at once: the
+        label's logit (gathered by the shard that holds it, summed over TP) against the saved
+        log-partitions."""
+        picked = logits2d.gather(1, self.label_col)[:, 0].to(self.dtype)
+        picked = all_reduce(picked.mul_(self.label_local), self.tp_group)
+        logz1 = self.logz1 if self._ce_extra else self.logz
+        return ((logz1 - picked) * self.has_label).sum()
+
+    def _partition(self, x, probs, logits2d, start: int, end: int) -> torch.Tensor:
+        """Local softmax into ``probs``; TP-wide log-partitions (and CE's at T = 1) into the
+        saved per-position values (with TP: one max and one sum all-reduce). Returns the local
+        log-partition."""
+        lz_local = self.lz_local[start:end]
+        lz_local.copy_(self._local_softmax(x, probs))
+        lz1 = None
         if self._ce_extra:  # CE's partition at T = 1 needs a softmax of its own
             z = self._x(logits2d, start, end, unscaled=True)
-            lz1 = self._local_softmax(z, self._workspace(end - start, x, "p1"))
-            maxes.append(lz1)
-        top = all_reduce(torch.stack(maxes, 1).contiguous(), self.tp_group, "max")
+            lz1 = self.lz1_local[start:end]
+            lz1.copy_(self._local_softmax(z, self._workspace(end - start, x, "p1")))
+        if self.single:
+            if self.extra is not None:  # this shard's share of the projected mass (summed in kl)
+                self.extra[start:end] = self.tail.mass(probs)
+            return lz_local
+        maxes = [lz_local] if lz1 is None else [lz_local, lz1]
+        top = all_reduce(torch.stack(maxes, 1), self.tp_group, "max")
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        sums = [torch.exp(lz_local - top[:, 0])]
-        if self._ce_extra:
-            sums.append(torch.exp(lz1 - top[:, 1]))
-        if self.labels is not None:
-            _, col = self._targets(start, end)
-            picked = logits2d[start:end].gather(1, col.clamp_min(0)[:, None])[:, 0]
-            sums.append(torch.where(col >= 0, picked.to(self.dtype), torch.zeros_like(lz_local)))
-        stats = all_reduce(torch.stack(sums, 1).contiguous(), self.tp_group)
-        logz = top[:, 0] + stats[:, 0].log()
-        self.logz[start:end], self.lz_local[start:end] = logz, lz_local
-        if self.extra is not None:  # this shard's share of the projected mass (summed in kl)
+        sums = torch.exp(torch.stack(maxes, 1) - top)
+        stats = all_reduce(sums, self.tp_group)
+        logz = self.logz[start:end]
+        torch.add(top[:, 0], stats[:, 0].log(), out=logz)
+        if lz1 is not None:
+            torch.add(top[:, 1], stats[:, 1].log(), out=self.logz1[start:end])
+        if self.extra is not None:
             self.extra[start:end] = self.tail.mass(probs) * torch.exp(lz_local - logz)
-        if self.labels is not None:
-            logz1 = logz
-            if self._ce_extra:
-                logz1 = top[:, 1] + stats[:, 1].log()
-                self.logz1[start:end], self.lz1_local[start:end] = logz1, lz1
-            has, _ = self._targets(start, end)
-            acc[2] += torch.where(has, logz1 - stats[:, -1], torch.zeros_like(logz1)).sum()
         return lz_local
 
     def _stash_split(self, raw: Raw, blk, buf: Raw | None) -> Raw | None:
@@ -275,7 +293,18 @@ class _Plan:
                 if g_split is not None and split.numel():
                     g_all[k][split] = g_split[k][rows.split_slot[split]]
         inv_t = 1.0 / self.temp
-        for blk in rows.blocks:
+        # Per position, for all blocks at once: CE's weight g_ce * has_label, folded into the
+        # KD gradient's coefficient when CE shares the softmax (T = 1), and the -weight that
+        # CE puts on the label's column (0 where the label is on another shard).
+        ce_scale = ce_coef = ce_label = None
+        if self.labels is not None:
+            ce_scale = g_ce * self.has_label
+            ce_label = torch.where(self.label_local, -ce_scale, 0.0)[:, None]
+            if not self._ce_extra:
+                ce_coef = ce_scale
+        no_coef = (torch.zeros(self.max_block, dtype=self.dtype, device=dev)
+                   if ce_coef is None else None)
+        for index, blk in enumerate(rows.blocks):
             out = grad[blk.start: blk.end, : self.num_real]
             has_rows = blk.row_end > blk.row_start
             if not has_rows and self.labels is None:
@@ -286,21 +315,18 @@ class _Plan:
             dx = out if direct else self._workspace(n, out, "dx")
             x = self._x(logits2d, blk.start, blk.end)
             torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
-            has = None
-            coef = torch.zeros(n, dtype=self.dtype, device=dev)
-            if self.labels is not None:
-                has, col = self._targets(blk.start, blk.end)
-                if not self._ce_extra:  # CE's softmax is the same p: fold it in
-                    coef = g_ce * has.to(self.dtype)
+            coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
             lz_local = self.lz_local[blk.start: blk.end]
             if has_rows:
-                data = self._block(x, dx, lz_local, blk)
+                data = self._block(x, dx, lz_local, blk, index)
                 g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
                 kernel.backward_block(data, g_blk, inv_t, coef, dx)
+            elif self.single:
+                dx.mul_(coef[:, None])
             else:
                 dx.mul_((coef * torch.exp(lz_local - self.logz[blk.start: blk.end]))[:, None])
             if self.labels is not None:
-                self._ce_backward(dx, logits2d, blk.start, blk.end, g_ce, has, col)
+                self._ce_backward(dx, logits2d, blk.start, blk.end, ce_scale, ce_label)
             if not direct:
                 out.copy_(dx)
         return grad_full
@@ -326,18 +352,21 @@ class _Plan:
                 out[k][split] = g_split[k][slot[split]]
         return out
 
-    def _ce_backward(self, dx, logits2d, start: int, end: int, g_ce, has, col) -> None:
-        """CE's gradient g_ce * (softmax(z) - onehot(label)); the softmax part is already in
-        ``dx`` unless T != 1."""
-        scale = g_ce * has.to(self.dtype)
+    def _ce_backward(self, dx, logits2d, start: int, end: int, scale: torch.Tensor,
+                     label: torch.Tensor) -> None:
+        """CE's gradient scale * (softmax(z) - onehot(label)); the softmax part is already in
+        ``dx`` unless T != 1. ``label``: the one-hot part's values per position [N, 1]."""
         if self._ce_extra:
             z = self._x(logits2d, start, end, unscaled=True)
             p1 = self._workspace(end - start, dx, "p1")
             torch.ops.aten._softmax.out(z, 1, False, out=p1)
-            factor1 = torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
-            dx.addcmul_(p1, (scale * factor1)[:, None])
-        pos = torch.nonzero(col >= 0, as_tuple=True)[0]
-        dx[pos, col[pos]] -= scale[pos]
+            weight = scale[start:end]
+            if not self.single:
+                weight = weight * torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
+            dx.addcmul_(p1, weight[:, None])
+        if dx.shape[1] == 0:  # a shard of padding columns only
+            return
+        dx.scatter_add_(1, self.label_col[start:end], label[start:end])
 
 
 class _KDFunction(torch.autograd.Function):
@@ -417,7 +446,7 @@ def parallel_kd_loss(
         options = _KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
         vocab = _VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
         rows = _rows(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only, cp_group,
-                     max_block)
+                     max_block).to(dev)
         kernel = _kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
     plan = _Plan(rows=rows.to(dev), kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
@@ -497,8 +526,7 @@ def _kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, projec
         if kernel_class is DenseKernel:
             return DenseKernel(payload, shard, num_real, options.reverse, tp_group,
                                torch.cat([rows.keys, rows.split_keys]))
-        return ColumnsKernel(payload, shard, num_real, rows.keys.to(dev), options.reverse,
-                             tp_group)
+        return ColumnsKernel(payload, shard, num_real, rows, options.reverse, tp_group)
     if options.common_student_ids is None:
         raise ValueError(f"mode {options.mode!r} needs common_student_ids "
                          f"(ProjectionMatrix.common_vocab({GOLD_RULES[options.mode]!r}))")

@@ -1,0 +1,106 @@
+"""Device operations the student-side loss issues per block of positions, per form (CPU is enough).
+
+On a GPU the loss is bound by kernel launches, not arithmetic: on one H200 at 16k tokens the
+chunk top-k form ran 6,105 kernels in a forward + backward that kept the GPU busy for 21.7 ms of
+its 94 ms (2026-11-26). Every block of positions repeats the same sequence of operations, so the
+operations per block (times the number of blocks: ~48 at 16k tokens x 49k vocabulary and the
+default 64 MiB blocks) decide that overhead. This counts them with a TorchDispatchMode (each
+non-view aten operation is one kernel, or a few, on CUDA), for one and for many blocks of the same
+batch: per block = the difference / the difference in blocks; per call = the rest. The counts do
+not depend on the machine.
+
+  python benchmarks/bench_loss_launches.py [--forms topk chunk_topk gold full] [--ce]
+
+Measured (torch 2.13 CPU, 2026-11-26; 2,048 positions, V_s 4,096, V_t 6,000, k = 64; fused CE;
+before = commit 74eaced, after = the W entries expanded once per call (``loss/block_entries.py``),
+per-position label and block-row arithmetic done once per call, no TP reductions with one TP rank):
+
+  form         ops / block          ops / call
+               before   after      before   after
+  topk          184.7    20.6        483     304
+  chunk_topk    208.6    37.1        566     374
+  gold          182.3   103.7       1155    1056
+  full          164.5    93.6       1335    1310
+
+On the H200 (16k tokens, fp32, k = 256, 64 MiB blocks; the expansion alone, before the rest of
+the per-block cuts): chunk top-k 59 -> 46 ms, top-k 39 -> 35 ms, Megatron CE 12 ms; GPU busy
+21.7 ms of the chunk top-k step (profiled at k = 64 with CE). See bench_loss.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: aten operations that only make views (no kernel).
+VIEW_OPS = {"slice", "select", "view", "unsqueeze", "expand", "as_strided", "detach", "alias",
+            "reshape", "t", "transpose", "permute", "squeeze", "_unsafe_view", "split",
+            "_reshape_alias", "unbind", "narrow"}
+
+
+class OpCount(TorchDispatchMode):
+    """Counts the non-view aten operations dispatched inside the ``with`` block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.softmax = 0  # the forward runs one per block (T = 1)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in VIEW_OPS:
+            self.count += 1
+        self.softmax += name == "_softmax"
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(form: str, ce: bool, positions_per_block: int) -> tuple[int, int]:
+    """(operations, blocks) of one forward + backward of ``form`` with blocks of about
+    ``positions_per_block`` positions."""
+    from megatron_xdistill.loss import parallel_kd_loss
+    from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
+    from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
+    from megatron_xdistill.testing.synthetic_kd import make_case
+
+    case = make_case(batch=4, ts=512, tt=448, vs=4096, vt=6000, seed=0, realistic=True,
+                     normalised_rows=True)
+    mode = "gold" if form == "gold" else "pkl"
+    common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
+    topk = {"topk": 64, "chunk_topk": 64}.get(form)
+    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
+                        num_common=None if common[0] is None else common[0].numel())
+    payload = teacher_payload(case.teacher_logits, predicting_chunk_id(case.teacher_chunk_id),
+                              spec, vocab_size=case.vt, common_teacher_ids=common[1])
+    logits = case.student_logits.clone().requires_grad_(True)
+    v = logits.shape[-1]
+    with OpCount() as forward:
+        terms = parallel_kd_loss(
+            logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
+            case.chunk_exact, case.projection_rows(v), student_vocab_size=case.vs, mode=mode,
+            common_student_ids=common[0], labels=case.labels if ce else None,
+            block_bytes=4 * v * positions_per_block)
+    loss = terms.kd_sum / terms.kd_count.clamp_min(1) + terms.ce_sum
+    with OpCount() as backward:
+        loss.backward()
+    return forward.count + backward.count, forward.softmax
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--forms", nargs="+", default=["topk", "chunk_topk", "gold", "full"],
+                        choices=["topk", "chunk_topk", "gold", "full"])
+    parser.add_argument("--ce", action="store_true", help="fuse the next-token CE")
+    args = parser.parse_args(argv)
+    print(f"{'form':<12} {'ops / block':>11} {'ops / call':>10} {'blocks':>7}   (CE fused: "
+          f"{'yes' if args.ce else 'no'})")
+    for form in args.forms:
+        few_ops, few = count_ops(form, args.ce, 64)
+        many_ops, many = count_ops(form, args.ce, 16)
+        per_block = (many_ops - few_ops) / (many - few)
+        print(f"{form:<12} {per_block:>11.1f} {few_ops - per_block * few:>10.0f} "
+              f"{few:>3}-{many:<3}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
