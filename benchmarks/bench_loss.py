@@ -78,29 +78,29 @@ block loop issues many small kernels and host syncs per block (CE is a few fused
 HBM speed), so the GPU waits on the host. Fusing the per-block work (torch.compile or Triton)
 is the open item; a NeMo-RL-style dense P-KL core measured 3.4-4.3x CE on an H100.
 
-On one H200 (same software and command, 2026-11-26; fp32; old = commit 74eaced, new = the W
-entries of the column forms expanded once per call with block-relative indices,
-``loss/block_entries.py``, so a block issues no index arithmetic and no host waits; run in one
-call on the same machine):
+On one H200 (same software and command, 2026-11-26; fp32, k = 256; ms per forward + backward;
+all rows on the same machine): old = commit 74eaced; expanded = the column forms' W entries
+expanded once per call with block-relative indices (``loss/block_entries.py``: a block issues no
+index arithmetic and no host waits); final = also the per-position label and block-row
+arithmetic once per call and, with one TP rank, no partition reductions or factor products
+(``bench_loss_launches.py``: chunk top-k 209 -> 37 operations per block with CE):
 
-  V_s      method        block     ms    x CE   extra / logits
-  49,152   megatron CE             12    1.00      0.0%
-  49,152   topk          old 64    39    3.31      8.6%
-  49,152   topk          new 64    35    2.97      8.6%
-  49,152   topk          new 256   30    2.53      9.6%
-  49,152   chunk_topk    old 64    59    4.98     10.4%
-  49,152   chunk_topk    new 64    46    3.90     10.4%
-  49,152   chunk_topk    new 256   43    3.62     11.4%
-  128,256  megatron CE             30    1.00      0.0%
-  128,256  topk          new 64    83    2.77      5.3%
-  128,256  chunk_topk    new 64   120    4.01      5.9%
+  V_s      method        block MiB   old   expanded   final   final x CE   extra / logits
+  49,152   megatron CE                12       12        12       1.00          0.0%
+  49,152   topk              64       39       35        26       2.25          8.6%
+  49,152   topk             256        -       30        23       1.98          9.6%
+  49,152   chunk_topk        64       59       46        30       2.54         10.4%
+  49,152   chunk_topk       256        -       43        29       2.49         11.4%
+  128,256  megatron CE                 30       30        30       1.00          0.0%
+  128,256  topk              64        -       83        60       2.00          5.3%
+  128,256  chunk_topk        64        -      120        68       2.26          5.9%
 
-(The H100 table above came from another machine and host; compare within a table.) A profile
-of the new chunk top-k step (k = 64, fused CE) on the H200: 6,105 kernels, the GPU busy 21.7 ms
-(softmax 7.5 ms, the rest small kernels) while the host spent ~170 ms (under the profiler)
-launching them: launch-bound. The operations per block were then cut ~5-9x
-(``bench_loss_launches.py``: chunk top-k 209 -> 37 per block with CE), not yet timed on a GPU;
-a GPU test checks that the host waits do not grow with the number of blocks (36-39 per call).
+(The H100 table above came from another machine and host: compare within a table.) A profile
+of the "expanded" chunk top-k step (k = 64, fused CE): 6,105 kernels with the GPU busy 21.7 ms
+(softmax 7.5 ms) while the host launched them: launch-bound, hence the per-block cuts. Left to
+reach <= 1.5x CE: fewer, larger blocks on the GPU (the 1/32-of-positions cap that keeps the
+scratch buffers under 10% of the logits) or fusing a block's work into a few kernels. A GPU test
+checks that the host waits do not grow with the number of blocks (35-39 per call).
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ per-position label and block-row arithmetic done once per call, no TP reductions
   gold          182.3   103.7       1155    1056
   full          164.5    93.6       1335    1310
 
-On the H200 (16k tokens, fp32, k = 256, 64 MiB blocks; the expansion alone, before the rest of
-the per-block cuts): chunk top-k 59 -> 46 ms, top-k 39 -> 35 ms, Megatron CE 12 ms; GPU busy
-21.7 ms of the chunk top-k step (profiled at k = 64 with CE). See bench_loss.py.
+On the H200 (16k tokens, V_s 49,152, fp32, k = 256, 64 MiB blocks): chunk top-k 59 -> 30 ms,
+top-k 39 -> 26 ms against Megatron CE's 12 ms (bench_loss.py's table).
 """
 
 from __future__ import annotations
