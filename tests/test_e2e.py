@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -193,9 +194,35 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(root / "full")]))
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
                               extra + ["--save", str(root / "part"), "--exit-interval", "1"]))
+    shutil.copytree(root / "part", root / "fresh_optimizer")
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(root / "part")]))
     assert _losses(root, "part") == _losses(root, "full")
+    # --no-load-optim / --no-load-rng (Megatron-LM's): the weights and the data position resume
+    # (step 2's loss, taken before its update, is the uninterrupted run's), Adam and the LR
+    # schedule start afresh (step 3 differs).
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "fresh_optimizer",
+                                  extra + ["--save", str(root / "fresh_optimizer"),
+                                           "--no-load-optim", "--no-load-rng"]))
+    fresh, full = _losses(root, "fresh_optimizer"), _losses(root, "full")
+    assert len(fresh) == 2 and fresh[0] == full[1] and fresh[1] != full[2]
     assert (root / "full" / "hf_files" / "config.json").is_file()  # export needs no template
+    # What Megatron-LM's loader reads from the common state: args that describe the student,
+    # the format version, the iteration and the LR schedule under its own key.
+    from megatron.core import dist_checkpointing
+
+    from megatron_xdistill.models import load_model_info
+    from megatron_xdistill.models.megatron_lm import model_info_from_megatron_args
+
+    common = dist_checkpointing.load_common_state_dict(str(root / "full" / "iter_0000003"))
+    assert common["checkpoint_version"] == 3.0 and common["iteration"] == 3
+    assert "opt_param_scheduler" in common
+    assert common["args"].tensor_model_parallel_size == 2
+    assert common["args"].consumed_train_samples == 3 * 4
+    back = model_info_from_megatron_args(common["args"], "full")
+    student = load_model_info(str(root / "student"))
+    assert (back.num_layers, back.hidden_size, back.num_query_groups, back.tie_word_embeddings) \
+        == (student.num_layers, student.hidden_size, student.num_query_groups,
+            student.tie_word_embeddings)
 
 
 def test_resume_into_another_layout_with_the_distributed_optimizer(e2e_setup, e2e_reference,

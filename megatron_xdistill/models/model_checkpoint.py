@@ -5,9 +5,11 @@ flags, and the tensors load at any TP/PP (dist_checkpointing reshards; padded vo
 ``allow_shape_mismatch``). Writes go to ``<dir>.tmp`` and are renamed only after every rank has
 finished, so an interrupted write never leaves a directory that looks complete.
 
-Megatron-LM training checkpoints (``<root>/latest_checkpointed_iteration.txt`` + ``iter_N/``) are
-accepted wherever a checkpoint directory is: the latest iteration is read, and the model info is
-found next to it or at the root.
+Megatron-LM training checkpoints (``<root>/latest_checkpointed_iteration.txt`` naming ``iter_N/``
+or ``release/``) are accepted wherever a checkpoint directory is: the tracked folder is read, and
+the model info is found next to it or at the root, or else read from the Megatron-LM run's
+``args`` in its common state (:mod:`.megatron_lm`: checkpoints of Megatron-LM and
+Megatron-Bridge load as the student or the teacher without conversion).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
 from megatron_xdistill.models.hf_config import ModelInfo
+from megatron_xdistill.models.megatron_lm import (
+    TRACKER_FILE,
+    TrackerError,
+    model_info_from_megatron_args,
+    read_tracker,
+    tracked_folder,
+)
 from megatron_xdistill.storage import (
     atomic_directory,
     refuse_existing,
@@ -34,7 +43,6 @@ from megatron_xdistill.storage import (
 )
 
 MODEL_INFO_FILE = "xdistill_model.json"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 FORMAT = "megatron-xdistill/model"
 FORMAT_VERSION = 1
 
@@ -57,23 +65,27 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
+def _tracked(root: str) -> str | int | None:
+    try:
+        return read_tracker(root)
+    except TrackerError as err:
+        raise CheckpointError(str(err)) from None
+
+
 def tracked_iteration(root: str) -> int | None:
     """The iteration that ``root``'s tracker file names (Megatron-LM's
-    ``latest_checkpointed_iteration.txt``, written last by a save), or None without one."""
-    tracker = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(tracker):
-        return None
-    text = open(tracker).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{tracker}: expected an iteration number, found {text!r}")
-    return int(text)
+    ``latest_checkpointed_iteration.txt``, written last by a save), or None without one or for
+    a ``release`` tracker (a released model, not a run to resume)."""
+    tracked = _tracked(root)
+    return tracked if isinstance(tracked, int) else None
 
 
 def resolve_checkpoint_dir(path: str) -> str:
-    """The dist_checkpointing directory behind ``path`` (a training root -> its latest iter)."""
-    iteration = tracked_iteration(path)
-    if iteration is not None:
-        path = iteration_dir(path, iteration)
+    """The dist_checkpointing directory behind ``path`` (a training root -> its tracked
+    ``iter_N`` or ``release`` folder)."""
+    tracked = _tracked(path)
+    if tracked is not None:
+        path = tracked_folder(path, tracked)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not dist_checkpointing.check_is_distributed_checkpoint(path):
@@ -105,7 +117,8 @@ def read_model_json(path: str) -> dict[str, Any]:
     info_path = _info_path(path)
     if info_path is None:
         raise CheckpointError(
-            f"{path}: no {MODEL_INFO_FILE}; not a megatron-xdistill checkpoint (create one with "
+            f"{path}: no {MODEL_INFO_FILE} and no Megatron-LM 'args' in its common state; not a "
+            "megatron-xdistill or Megatron-LM checkpoint (create one with "
             "`xdistill-convert hf-to-mcore`)")
     try:
         with open(info_path) as fh:
@@ -125,7 +138,15 @@ def read_model_json(path: str) -> dict[str, Any]:
 
 
 def load_model_info(path: str) -> ModelInfo:
-    """ModelInfo of a checkpoint (a converted checkpoint, or a training root / iteration)."""
+    """ModelInfo of a checkpoint (a converted checkpoint, or a training root / iteration): its
+    ``xdistill_model.json``, or else the Megatron-LM run's ``args`` in its common state."""
+    tracked = os.path.isfile(os.path.join(path, TRACKER_FILE))
+    if _info_path(path) is None and (tracked or dist_checkpointing.check_is_distributed_checkpoint(
+            path)):
+        ckpt = resolve_checkpoint_dir(path)
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+        if isinstance(common, dict) and "args" in common:
+            return model_info_from_megatron_args(common["args"], ckpt)
     return ModelInfo.from_dict(read_model_json(path)["model_info"])
 
 

@@ -78,10 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--load", required=True,
-                   help="student checkpoint: a converted model (xdistill-convert) or a --save dir")
+                   help="student checkpoint: a converted model (xdistill-convert), a --save dir "
+                   "(resumed), or a Megatron-LM / Megatron-Bridge torch_dist checkpoint root "
+                   "('release' tracker, or with --finetune)")
     g.add_argument("--teacher-load", default=None,
-                   help="teacher checkpoint (xdistill-convert); optional when --teacher-cache "
-                   "holds a complete cache (the teacher is then neither loaded nor run)")
+                   help="teacher checkpoint (xdistill-convert, or a Megatron-LM / Megatron-Bridge "
+                   "torch_dist checkpoint root); optional when --teacher-cache holds a complete "
+                   "cache (the teacher is then neither loaded nor run)")
+    g.add_argument("--finetune", action="store_true",
+                   help="as in Megatron-LM: take only the model weights of --load (even a "
+                   "training checkpoint) and start at iteration 0 with a fresh optimizer")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="when resuming, keep a fresh optimizer and LR schedule (Megatron-LM's flag)")
+    g.add_argument("--no-load-rng", action="store_true",
+                   help="when resuming, keep this run's RNG state (Megatron-LM's flag)")
     g.add_argument("--save", default=None, help="directory for training checkpoints")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
     g.add_argument("--exit-interval", type=int, default=None,

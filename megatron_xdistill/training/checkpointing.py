@@ -6,6 +6,11 @@ another layout) and ``<save>/latest_checkpointed_iteration.txt``. A checkpoint i
 replaced atomically: an interrupted save never looks like a checkpoint, and the previous one
 stays the latest.
 
+The common state also carries what Megatron-LM's loader reads: ``args`` (Megatron-LM's names for
+the student's architecture and layout, ``models.megatron_lm.megatron_lm_args``),
+``checkpoint_version``, ``iteration`` and the LR schedule as ``opt_param_scheduler``, so a
+distilled student continues in Megatron-LM or Megatron-Bridge without conversion.
+
 With a disaggregated teacher only the student ranks hold checkpointed state. Saving is still
 collective over the whole world (dist_checkpointing's save is), so teacher ranks join it with
 ``model=None`` and contribute nothing; loading runs on the student ranks' group alone.
@@ -20,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_xdistill.models.megatron_lm import CHECKPOINT_VERSION
 from megatron_xdistill.models.model_checkpoint import (
     TRACKER_FILE,
     iteration_dir,
@@ -40,8 +46,17 @@ def latest_iteration(root: str) -> int | None:
 
 
 def is_training_checkpoint(path: str) -> bool:
-    """Whether ``path`` is a training run's root (it has a tracker file)."""
-    return os.path.exists(os.path.join(path, TRACKER_FILE))
+    """Whether ``path`` is a training run's root: its tracker names an iteration (a ``release``
+    tracker names a released model, which is loaded, not resumed)."""
+    return tracked_iteration(path) is not None
+
+
+def written_by_this_trainer(root: str) -> bool:
+    """Whether the latest checkpoint under the training root ``root`` is one of ours (its
+    common state holds our run's position), not another Megatron-LM run's."""
+    iteration = latest_iteration(root)
+    state = dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration))
+    return isinstance(state, dict) and "common" in state
 
 
 def _rng_state() -> dict:
@@ -88,26 +103,31 @@ def _pause_for_fault_tests() -> None:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_cp_group,
-                    common: dict, partial_world: bool = False) -> str:
+                    common: dict, partial_world: bool = False,
+                    megatron_args: object | None = None) -> str:
     """Collective over the world: write the checkpoint of ``iteration`` under ``root``; returns
     its path.
 
     ``common`` holds small picklable state every rank agrees on (consumed samples, args...).
     ``partial_world``: some ranks hold no part of the model (disaggregated teacher ranks); those
     call with ``model=None`` and write nothing, and every rank must pass True.
+    ``megatron_args``: Megatron-LM's ``args`` for the model (stored for Megatron-LM's tools).
     """
     final = iteration_dir(root, iteration)
 
     def write(tmp: str) -> None:
-        state = {"common": common, "iteration": iteration}
+        state = {"common": common, "iteration": iteration,
+                 "checkpoint_version": CHECKPOINT_VERSION}
+        if megatron_args is not None:
+            state["args"] = megatron_args
         if model is not None:
             model_state = model.sharded_state_dict(metadata={"dp_cp_group": dp_cp_group})
             state = {"model": model_state, **state}
             if optimizer is not None:
                 state["optimizer"] = optimizer.sharded_state_dict(model_state,
                                                                   metadata=OPTIMIZER_METADATA)
-            if scheduler is not None:
-                state["scheduler"] = scheduler.state_dict()
+            if scheduler is not None:  # Megatron-LM's key
+                state["opt_param_scheduler"] = scheduler.state_dict()
         dist_checkpointing.save(
             state, tmp, preprocess_common_before_consistancy_check=_shared_common
             if partial_world else None)
@@ -122,10 +142,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
-                    process_group: dist.ProcessGroup | None = None) -> dict:
+                    process_group: dist.ProcessGroup | None = None,
+                    load_rng: bool = True) -> dict:
     """Collective over ``process_group`` (the ranks holding the model; default the world):
     restore the latest checkpoint under ``root``; returns its ``common`` state plus
-    ``iteration``. Raises if there is none."""
+    ``iteration``. Raises if there is none. ``optimizer=None`` / ``scheduler=None`` /
+    ``load_rng=False`` leave those as they are (Megatron-LM's ``--no-load-optim``,
+    ``--no-load-rng``)."""
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER_FILE})")
@@ -141,10 +164,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     common_state = dist_checkpointing.load_common_state_dict(path)
-    if scheduler is not None and "scheduler" in common_state:
-        scheduler.load_state_dict(common_state["scheduler"])
+    schedule = common_state.get("opt_param_scheduler", common_state.get("scheduler"))
+    if scheduler is not None and schedule is not None:
+        scheduler.load_state_dict(schedule)
     rng_path = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
-    if os.path.exists(rng_path):
+    if load_rng and os.path.exists(rng_path):
         _set_rng_state(torch.load(rng_path, weights_only=False))
     return _position(common_state, iteration)
 

@@ -137,12 +137,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+def _resume_source(args) -> str | None:
+    """The training root to resume: --save if it holds a run, else --load if that is a run
+    (not with --finetune, which takes only --load's weights, as in Megatron-LM); None: --load is
+    a model (converted, or a Megatron-LM 'release') and training starts at iteration 0."""
+    from megatron_xdistill.training.checkpointing import (
+        is_training_checkpoint,
+        written_by_this_trainer,
+    )
+
+    candidates = [("--save", args.save)] + ([] if args.finetune else [("--load", args.load)])
+    for flag, path in candidates:
+        if path and is_training_checkpoint(path):
+            if not written_by_this_trainer(path):
+                raise SystemExit(
+                    f"{flag} {path}: a Megatron-LM training checkpoint, not one of this trainer's "
+                    f"runs; pass --finetune to start distilling from its weights at iteration 0 "
+                    f"(its optimizer and data position belong to the Megatron-LM run)")
+            return path
+    return None
+
+
 def _train(args, started: float) -> int:
     from megatron_xdistill.align import TokenAligner, load_tokenizer
     from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
     from megatron_xdistill.parallel.sample_owners import student_samples
-    from megatron_xdistill.training.checkpointing import is_training_checkpoint
     from megatron_xdistill.training.distiller import Distiller
     from megatron_xdistill.training.metrics import MetricsWriter
     from megatron_xdistill.training.preemption import StopRequest
@@ -165,10 +185,7 @@ def _train(args, started: float) -> int:
         _log(f"> --split {args.split}: {len(train_docs[1])} training and {len(valid_docs[1])} "
              f"validation documents of --data-path")
     _derive_teacher_length(args, train_docs[1], aligner)
-    # Resume from --save if it holds a run, else from --load if that is a run; otherwise --load
-    # is a converted model (xdistill-convert) and training starts at iteration 0.
-    resume_from = None if args.teacher_cache_only else next(
-        (path for path in (args.save, args.load) if path and is_training_checkpoint(path)), None)
+    resume_from = None if args.teacher_cache_only else _resume_source(args)
     cache = None
     num_samples = args.train_iters * args.global_batch_size
     if args.teacher_cache:

@@ -23,6 +23,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron_xdistill import models as models_api
 from megatron_xdistill.data.dataset import collate_samples
 from megatron_xdistill.loss import total_loss
+from megatron_xdistill.models.megatron_lm import megatron_lm_args
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.sample_owners import student_samples
 from megatron_xdistill.training import arguments
@@ -251,13 +252,23 @@ class StudentSide:
         if dist.get_rank() == 0:
             models_api.save_model_info(self.info, root)
             models_api.keep_hf_files(root, self.args.load, self.args.tokenizer_model)
+        layout = self.groups.layout
+        megatron_args = megatron_lm_args(
+            self.info, tp=layout.tp, pp=layout.pp, cp=layout.cp, seq_length=self.args.seq_length,
+            bf16=bool(self.args.bf16), iteration=iteration,
+            consumed_samples=int(common.get("consumed_samples", 0)))
         with self.whole_parameters():
             return save_checkpoint(root, iteration, self.model.module, self.optimizer,
                                    self.scheduler, self.groups.pg_collection.dp_cp, common,
-                                   partial_world=partial_world)
+                                   partial_world=partial_world, megatron_args=megatron_args)
 
     def resume(self, root: str) -> dict:
         """Model, optimizer, scheduler and RNG from a training checkpoint (collective over the
-        student ranks); returns where the run stands."""
-        return load_checkpoint(root, self.model.module, self.optimizer, self.scheduler,
-                               self.groups.pg_collection.dp_cp, process_group=self.world)
+        student ranks; ``--no-load-optim`` / ``--no-load-rng`` keep this run's own); returns
+        where the run stands."""
+        keep_optim = getattr(self.args, "no_load_optim", False)
+        return load_checkpoint(root, self.model.module,
+                               None if keep_optim else self.optimizer,
+                               None if keep_optim else self.scheduler,
+                               self.groups.pg_collection.dp_cp, process_group=self.world,
+                               load_rng=not getattr(self.args, "no_load_rng", False))
