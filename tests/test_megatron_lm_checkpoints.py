@@ -35,15 +35,54 @@ ARGS = dict(  # a Llama-style Megatron-LM run's flags, under Megatron-LM's attri
 )
 
 
+def _megatron_core_gpt(a: argparse.Namespace):
+    """Megatron-Core's GPTModel for a Megatron-LM run's args, from its own local layer spec (with
+    torch's RMSNorm: same parameters and keys), not through this package's builder."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_xdistill.models.specs import TorchRMSNorm
+
+    config = TransformerConfig(
+        num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
+        num_attention_heads=a.num_attention_heads,
+        num_query_groups=a.num_query_groups if a.group_query_attention else None,
+        kv_channels=a.kv_channels, normalization="RMSNorm", layernorm_epsilon=a.norm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=a.add_qkv_bias, qk_layernorm=a.qk_layernorm, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=a.qk_layernorm)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if a.qk_layernorm:
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = TorchRMSNorm
+    return GPTModel(config, spec, vocab_size=a.padded_vocab_size,
+                    max_sequence_length=a.max_position_embeddings,
+                    position_embedding_type="rope", rotary_base=a.rotary_base,
+                    share_embeddings_and_output_weights=not a.untie_embeddings_and_output_weights)
+
+
+def _logit_gap(reference, ours, vocab: int, gen: torch.Generator) -> dict:
+    tokens = torch.randint(0, vocab, (2, 24), generator=gen)
+    pos = torch.arange(24).expand(2, 24)
+    causal = torch.triu(torch.ones(1, 1, 24, 24, dtype=torch.bool), 1)
+    reference.eval()
+    ours.eval()
+    with torch.no_grad():
+        want = reference(tokens, pos, causal)
+        got = ours(tokens, pos, None)
+    return {"diff": (want - got).abs().max().item(), "scale": want.abs().max().item()}
+
+
 def _reference_release(root: str, qkv_bias: bool) -> dict:
     """Rank 0 of 1: a Megatron-Core GPTModel (its own local spec) saved as a Megatron-LM
     release under ``root``; then the same root loaded through this package. Returns the
     largest logit difference and what the loader read."""
-    import torch.nn.functional as F
     from megatron.core import dist_checkpointing
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_xdistill.models import (
         build_gpt_model,
@@ -51,27 +90,11 @@ def _reference_release(root: str, qkv_bias: bool) -> dict:
         load_model_info,
         transformer_config,
     )
-    from megatron_xdistill.models.specs import TorchRMSNorm
     from megatron_xdistill.testing.tiny_gpt import init_model_parallel
 
     init_model_parallel(1, 1, seed=5)
     a = argparse.Namespace(**{**ARGS, "add_qkv_bias": qkv_bias})
-    config = TransformerConfig(
-        num_layers=a.num_layers, hidden_size=a.hidden_size, ffn_hidden_size=a.ffn_hidden_size,
-        num_attention_heads=a.num_attention_heads, num_query_groups=a.num_query_groups,
-        kv_channels=a.kv_channels, normalization="RMSNorm", layernorm_epsilon=a.norm_epsilon,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, masked_softmax_fusion=False, bias_activation_fusion=False,
-        bias_dropout_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    # torch's RMSNorm (Megatron's wrapped torch norm); same parameters and keys
-    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchRMSNorm
-    reference = GPTModel(config, spec, vocab_size=a.padded_vocab_size,
-                         max_sequence_length=a.max_position_embeddings,
-                         position_embedding_type="rope", rotary_base=a.rotary_base,
-                         share_embeddings_and_output_weights=False)
+    reference = _megatron_core_gpt(a)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in reference.parameters():  # every weight random: norms and biases too
@@ -86,17 +109,49 @@ def _reference_release(root: str, qkv_bias: bool) -> dict:
     info = load_model_info(root)
     ours = build_gpt_model(info, transformer_config(info))
     load_megatron_checkpoint(ours, root)
-    tokens = torch.randint(0, a.padded_vocab_size, (2, 24), generator=gen)
-    pos = torch.arange(24).expand(2, 24)
-    causal = torch.triu(torch.ones(1, 1, 24, 24, dtype=torch.bool), 1)
-    reference.eval()
-    ours.eval()
-    with torch.no_grad():
-        want = reference(tokens, pos, causal)
-        got = ours(tokens, pos, None)
-    return {"diff": (want - got).abs().max().item(), "scale": want.abs().max().item(),
+    return {**_logit_gap(reference, ours, a.padded_vocab_size, gen),
             "architecture": info.architecture, "vocab": info.vocab_size,
             "tied": info.tie_word_embeddings, "groups": info.num_query_groups}
+
+
+def _ours_into_megatron_core(out: str, family: str) -> dict:
+    """Rank 0 of 1: a model saved by this package (as ``xdistill-convert hf-to-mcore`` saves),
+    read back the way Megatron-LM would: Megatron-Core's GPTModel built from the ``args`` in the
+    checkpoint's common state, its tensors requested under ``model`` as Megatron-LM does."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_xdistill.models import (
+        build_gpt_model,
+        model_info_from_hf,
+        save_megatron_checkpoint,
+        transformer_config,
+    )
+    from megatron_xdistill.testing.tiny_gpt import init_model_parallel
+    from megatron_xdistill.testing.tiny_models import tiny_config
+
+    init_model_parallel(1, 1, seed=5)
+    info = model_info_from_hf(tiny_config(family, vocab_size=1000))
+    ours = build_gpt_model(info, transformer_config(info))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    save_megatron_checkpoint(ours, out, info)
+    common = dist_checkpointing.load_common_state_dict(out)
+    args = common["args"]
+    reference = _megatron_core_gpt(args)
+    loaded = dist_checkpointing.load({"model": reference.sharded_state_dict()}, out)
+    reference.load_state_dict(loaded["model"])
+    return {**_logit_gap(reference, ours, info.vocab_size, gen),
+            "version": common["checkpoint_version"], "iteration": common["iteration"]}
+
+
+@pytest.mark.parametrize("family", ["smollm2", "qwen2", "qwen3"])
+def test_our_checkpoints_load_into_megatron_core_from_their_args(tmp_path, family):
+    with RankPool(1) as pool:
+        (out,) = pool.run(_ours_into_megatron_core, str(tmp_path / "ckpt"), family)
+    assert (out["version"], out["iteration"]) == (3.0, 0)
+    assert out["diff"] <= 1e-5 * out["scale"], out
 
 
 @pytest.mark.parametrize("qkv_bias,architecture", [(False, "LlamaForCausalLM"),

@@ -128,10 +128,31 @@ def model_info_from_megatron_args(args: Any, where: str) -> ModelInfo:
         raise UnsupportedModelError(f"{where}: {err}") from None
 
 
+def megatron_lm_cannot_express(info: ModelInfo) -> str | None:
+    """Why Megatron-LM's GPT flags cannot describe ``info`` (None: they can)."""
+    scaling = info.rope_scaling
+    reasons = [
+        (info.gemma_norms, "Gemma's norms"), (info.sliding_window is not None, "sliding windows"),
+        (info.embedding_multiplier is not None, "a scaled embedding"),
+        (info.softmax_scale is not None, "a custom attention scale"),
+        (info.activation != "silu", f"the {info.activation} activation"),
+        (scaling is not None and (scaling.rope_type != "llama3" or (
+            scaling.low_freq_factor, scaling.high_freq_factor,
+            scaling.original_max_position_embeddings) != (1.0, 4.0, 8192)),
+         "this RoPE scaling (Megatron-LM's is Llama 3.1's: 1 / 4 / 8192)"),
+    ]
+    found = [what for bad, what in reasons if bad]
+    return ", ".join(found) if found else None
+
+
 def megatron_lm_args(info: ModelInfo, *, tp: int, pp: int, cp: int, seq_length: int,
-                     bf16: bool, iteration: int, consumed_samples: int) -> argparse.Namespace:
+                     bf16: bool, iteration: int, consumed_samples: int
+                     ) -> argparse.Namespace | None:
     """Megatron-LM's ``args`` for a checkpoint of ``info``: the architecture flags its
-    ``--use-checkpoint-args`` and conversion tools read, under its names."""
+    ``--use-checkpoint-args`` and conversion tools read, under its names. None for a model
+    those flags cannot describe (:func:`megatron_lm_cannot_express`): no args beat wrong ones."""
+    if megatron_lm_cannot_express(info) is not None:
+        return None
     return argparse.Namespace(
         num_layers=info.num_layers, hidden_size=info.hidden_size,
         ffn_hidden_size=info.ffn_hidden_size, num_attention_heads=info.num_attention_heads,
@@ -156,5 +177,6 @@ def megatron_lm_args(info: ModelInfo, *, tp: int, pp: int, cp: int, seq_length: 
     )
 
 
-__all__ = ["CHECKPOINT_VERSION", "RELEASE", "TRACKER_FILE", "TrackerError", "megatron_lm_args",
+__all__ = ["CHECKPOINT_VERSION", "RELEASE", "TRACKER_FILE", "TrackerError",
+           "megatron_lm_args", "megatron_lm_cannot_express",
            "model_info_from_megatron_args", "read_tracker", "tracked_folder"]

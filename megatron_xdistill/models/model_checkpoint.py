@@ -29,8 +29,10 @@ from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpo
 
 from megatron_xdistill.models.hf_config import ModelInfo
 from megatron_xdistill.models.megatron_lm import (
+    CHECKPOINT_VERSION,
     TRACKER_FILE,
     TrackerError,
+    megatron_lm_args,
     model_info_from_megatron_args,
     read_tracker,
     tracked_folder,
@@ -284,8 +286,17 @@ def save_megatron_checkpoint(
     ckpt_dir = os.path.abspath(ckpt_dir)
     refuse_existing(ckpt_dir, overwrite)
 
+    state = sharded_model_state_dict(model, pg_collection)
+    # What Megatron-LM's loader reads beside the tensors (its --use-checkpoint-args).
+    tp = pg_collection.tp.size() if pg_collection is not None else 1
+    pp = pg_collection.pp.size() if pg_collection is not None else 1
+    args = megatron_lm_args(info, tp=tp, pp=pp, cp=1, seq_length=info.max_position_embeddings,
+                            bf16=info.hf_dtype == "bfloat16", iteration=0, consumed_samples=0)
+    state.update(checkpoint_version=CHECKPOINT_VERSION, iteration=0,
+                 **({} if args is None else {"args": args}))
+
     def write(tmp: str) -> None:
-        dist_checkpointing.save(sharded_model_state_dict(model, pg_collection), tmp)
+        dist_checkpointing.save(state, tmp)
         if dist.get_rank() == 0:
             save_model_info(info, tmp, extra)
             if before_commit is not None:
