@@ -107,13 +107,14 @@ def test_partial_checkpoint_is_named(converted, tmp_path):
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(converted / "ckpt", ckpt)
-    shards = sorted(ckpt.glob("*.distcp"))
+    shards = sorted((ckpt / "release").glob("*.distcp"))  # a Megatron-LM release root
     assert shards, list(ckpt.iterdir())
     shards[0].unlink()  # a save cut short by a kill
     with RankPool(1) as pool, pytest.raises(
-            RankError, match=r"ckpt: cannot load the model from this checkpoint .*incomplete"):
+            RankError, match=r"ckpt/release: cannot load the model from this checkpoint "
+                             r".*incomplete"):
         pool.run(verify_conversion, str(converted / "hf"), str(ckpt), 1, 1, 1, 8, 0, False)
-    (ckpt / "metadata.json").unlink()
+    (ckpt / "release" / "metadata.json").unlink()
     with RankPool(1) as pool, pytest.raises(RankError, match=r"not a complete "
                                                              r"dist_checkpointing checkpoint"):
         pool.run(verify_conversion, str(converted / "hf"), str(ckpt), 1, 1, 1, 8, 0, False)

@@ -147,8 +147,7 @@ def test_export_from_a_training_run(pool, tiny_root, smollm2_ckpt):
 
     hf_dir, ckpt = smollm2_ckpt
     root = tiny_root / "run"
-    shutil.copytree(ckpt, root / "iter_0000005", ignore=shutil.ignore_patterns("hf_files", "*.json"))
-    shutil.copy2(os.path.join(ckpt, "metadata.json"), root / "iter_0000005")
+    shutil.copytree(os.path.join(ckpt, "release"), root / "iter_0000005")
     (root / "latest_checkpointed_iteration.txt").write_text("5\n")
     save_model_info(load_model_info(ckpt), str(root))
     copy_hf_files(ckpt, str(root))

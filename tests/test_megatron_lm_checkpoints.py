@@ -115,8 +115,8 @@ def _reference_release(root: str, qkv_bias: bool) -> dict:
 
 
 def _ours_into_megatron_core(out: str, family: str) -> dict:
-    """Rank 0 of 1: a model saved by this package (as ``xdistill-convert hf-to-mcore`` saves),
-    read back the way Megatron-LM would: Megatron-Core's GPTModel built from the ``args`` in the
+    """Rank 0 of 1: a model saved by this package (as ``xdistill-convert hf-to-mcore`` saves: a
+    Megatron-LM release root), read back the way Megatron-LM would: Megatron-Core's GPTModel built from the ``args`` in the
     checkpoint's common state, its tensors requested under ``model`` as Megatron-LM does."""
     from megatron.core import dist_checkpointing
 
@@ -137,10 +137,14 @@ def _ours_into_megatron_core(out: str, family: str) -> dict:
         for p in ours.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     save_megatron_checkpoint(ours, out, info)
-    common = dist_checkpointing.load_common_state_dict(out)
+    # Megatron-LM's --load: the tracker names a release, the tensors are in <out>/release.
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as fh:
+        assert fh.read().strip() == "release"
+    tensors = os.path.join(out, "release")
+    common = dist_checkpointing.load_common_state_dict(tensors)
     args = common["args"]
     reference = _megatron_core_gpt(args)
-    loaded = dist_checkpointing.load({"model": reference.sharded_state_dict()}, out)
+    loaded = dist_checkpointing.load({"model": reference.sharded_state_dict()}, tensors)
     reference.load_state_dict(loaded["model"])
     return {**_logit_gap(reference, ours, info.vocab_size, gen),
             "version": common["checkpoint_version"], "iteration": common["iteration"]}

@@ -1,4 +1,9 @@
-"""Model checkpoints: a dist_checkpointing (torch_dist) directory plus ``xdistill_model.json``.
+"""Model checkpoints: a Megatron-LM release root plus ``xdistill_model.json``.
+
+A saved model is laid out as Megatron-LM lays out a released model, so its ``--load`` takes it
+as it is: ``<dir>/latest_checkpointed_iteration.txt`` naming ``release`` and ``<dir>/release/``
+holding the dist_checkpointing (torch_dist) tensors with Megatron-LM's ``args`` in their common
+state. Folders written before this layout (the tensors directly in ``<dir>``) still load.
 
 The JSON holds the :class:`ModelInfo` the weights belong to, so ``--load`` needs no architecture
 flags, and the tensors load at any TP/PP (dist_checkpointing reshards; padded vocab rows load with
@@ -30,6 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpo
 from megatron_xdistill.models.hf_config import ModelInfo
 from megatron_xdistill.models.megatron_lm import (
     CHECKPOINT_VERSION,
+    RELEASE,
     TRACKER_FILE,
     TrackerError,
     megatron_lm_args,
@@ -42,6 +48,7 @@ from megatron_xdistill.storage import (
     refuse_existing,
     swap_in_directory,
     write_json_atomic,
+    write_text_atomic,
 )
 
 MODEL_INFO_FILE = "xdistill_model.json"
@@ -296,8 +303,11 @@ def save_megatron_checkpoint(
                  **({} if args is None else {"args": args}))
 
     def write(tmp: str) -> None:
-        dist_checkpointing.save(state, tmp)
+        tensors = tracked_folder(tmp, RELEASE)
+        os.makedirs(tensors, exist_ok=True)
+        dist_checkpointing.save(state, tensors)
         if dist.get_rank() == 0:
+            write_text_atomic(os.path.join(tmp, TRACKER_FILE), RELEASE)
             save_model_info(info, tmp, extra)
             if before_commit is not None:
                 before_commit(tmp)
