@@ -25,7 +25,9 @@ def _parser() -> argparse.ArgumentParser:
 
     imp = sub.add_parser("hf-to-mcore", help="HF folder -> Megatron dist checkpoint")
     imp.add_argument("--hf-dir", required=True, help="HF model folder (config.json + safetensors)")
-    imp.add_argument("--out", required=True, help="checkpoint directory to create")
+    imp.add_argument("--out", required=True,
+                     help="checkpoint directory to create: a Megatron-LM release root (tracker + "
+                     "release/), which our --load and Megatron-LM's --load both take")
     imp.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that write")
     imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks that write")
     imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
