@@ -162,6 +162,7 @@ def test_first_steps_match_reference(e2e_setup, e2e_reference, e2e_pool, name):
     assert e2e_pool.run(_process_group_count) == groups_before, "process groups left behind"
 
 
+@pytest.mark.slow  # 80 s; Gemma 3's numerics are checked by the conversion tests by default
 def test_gemma3_teacher_in_parallel_layouts_matches_single_rank(e2e_setup, e2e_pool, tmp_path):
     """A Gemma 3 teacher (262k SentencePiece vocabulary with byte fallback and <bos>; sliding
     and global layers with their own RoPE) in TP2 x CP2 with the student at PP2 x DP2 gives the

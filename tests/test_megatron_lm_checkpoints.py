@@ -23,6 +23,13 @@ from megatron_xdistill.models.megatron_lm import (
 )
 from megatron_xdistill.testing.multirank import RankPool
 
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(1) as ranks:  # one spawned rank for the module's tests
+        yield ranks
+
+
 ARGS = dict(  # a Llama-style Megatron-LM run's flags, under Megatron-LM's attribute names
     num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
     group_query_attention=True, num_query_groups=2, kv_channels=16, max_position_embeddings=64,
@@ -151,18 +158,17 @@ def _ours_into_megatron_core(out: str, family: str) -> dict:
 
 
 @pytest.mark.parametrize("family", ["smollm2", "qwen2", "qwen3"])
-def test_our_checkpoints_load_into_megatron_core_from_their_args(tmp_path, family):
-    with RankPool(1) as pool:
-        (out,) = pool.run(_ours_into_megatron_core, str(tmp_path / "ckpt"), family)
+def test_our_checkpoints_load_into_megatron_core_from_their_args(pool, tmp_path, family):
+    (out,) = pool.run(_ours_into_megatron_core, str(tmp_path / "ckpt"), family)
     assert (out["version"], out["iteration"]) == (3.0, 0)
     assert out["diff"] <= 1e-5 * out["scale"], out
 
 
 @pytest.mark.parametrize("qkv_bias,architecture", [(False, "LlamaForCausalLM"),
                                                    (True, "Qwen2ForCausalLM")])
-def test_megatron_lm_release_loads_with_megatron_cores_logits(tmp_path, qkv_bias, architecture):
-    with RankPool(1) as pool:
-        (out,) = pool.run(_reference_release, str(tmp_path / "mlm"), qkv_bias)
+def test_megatron_lm_release_loads_with_megatron_cores_logits(pool, tmp_path, qkv_bias,
+                                                             architecture):
+    (out,) = pool.run(_reference_release, str(tmp_path / "mlm"), qkv_bias)
     assert out["architecture"] == architecture
     assert (out["vocab"], out["tied"], out["groups"]) == (384, False, 2)
     assert out["diff"] <= 1e-5 * out["scale"], out
@@ -248,12 +254,11 @@ def _resume_sources(root: str) -> dict:
     return {key: names.get(value, value) for key, value in out.items()}
 
 
-def test_which_checkpoint_a_run_resumes(tmp_path):
+def test_which_checkpoint_a_run_resumes(pool, tmp_path):
     """As in Megatron-LM: a release and --finetune give weights only (iteration 0); our own
     run under --load or --save resumes; another Megatron-LM run's iteration is refused without
     --finetune, saying so."""
-    with RankPool(1) as pool:
-        (out,) = pool.run(_resume_sources, str(tmp_path))
+    (out,) = pool.run(_resume_sources, str(tmp_path))
     assert out["ours"] == "ours" and out["save wins"] == "ours"
     assert out["ours --finetune"] is None and out["release"] is None
     assert out["mlm --finetune"] is None
