@@ -263,3 +263,43 @@ def test_which_checkpoint_a_run_resumes(pool, tmp_path):
     assert out["ours --finetune"] is None and out["release"] is None
     assert out["mlm --finetune"] is None
     assert out["mlm"].startswith("refused: --load ") and "pass --finetune" in out["mlm"]
+
+
+def _unreadable_args(root: str) -> str:
+    """Rank 0 of 1: a release whose args hold an object of a module this machine lacks (as a
+    Megatron-LM version we do not have would write); loading it must name the checkpoint."""
+    import sys
+    import types
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_xdistill.models import CheckpointError, load_model_info
+
+    gone = types.ModuleType("module_of_another_megatron")
+
+    class Setting:
+        pass
+
+    Setting.__module__, Setting.__qualname__ = gone.__name__, "Setting"
+    gone.Setting = Setting
+    sys.modules[gone.__name__] = gone
+    try:
+        path = os.path.join(root, "release")
+        os.makedirs(path)
+        args = argparse.Namespace(**ARGS, attention_backend=Setting())
+        dist_checkpointing.save({"args": args, "checkpoint_version": 3.0}, path)
+    finally:
+        del sys.modules[gone.__name__]
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("release")
+    try:
+        load_model_info(root)
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_args_that_cannot_be_read_name_the_checkpoint(pool, tmp_path):
+    (message,) = pool.run(_unreadable_args, str(tmp_path / "foreign"))
+    assert "foreign/release" in message and "cannot be read here" in message, message
+    assert "module_of_another_megatron" in message

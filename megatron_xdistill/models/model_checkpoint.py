@@ -153,7 +153,15 @@ def load_model_info(path: str) -> ModelInfo:
     if _info_path(path) is None and (tracked or dist_checkpointing.check_is_distributed_checkpoint(
             path)):
         ckpt = resolve_checkpoint_dir(path)
-        common = dist_checkpointing.load_common_state_dict(ckpt)
+        try:
+            common = dist_checkpointing.load_common_state_dict(ckpt)
+        # torch's CheckpointException (a failed read) is a BaseException
+        except (Exception, TorchCheckpointException) as err:  # noqa: BLE001 - name the checkpoint
+            raise CheckpointError(
+                f"{ckpt}: no {MODEL_INFO_FILE}, and its common state (Megatron-LM's args) cannot "
+                f"be read here ({_first_cause(err)}); it may need a module of the "
+                f"Megatron-LM version that wrote it. Convert the model from HF instead "
+                f"(`xdistill-convert hf-to-mcore`)") from err
         if isinstance(common, dict) and "args" in common:
             return model_info_from_megatron_args(common["args"], ckpt)
     return ModelInfo.from_dict(read_model_json(path)["model_info"])
