@@ -295,6 +295,7 @@ def test_teacher_length_is_derived_from_the_data(e2e_setup, e2e_pool):
     assert len(fills) == 2 and all(0.8 <= f <= 1.0 for f in fills), fills
 
 
+@pytest.mark.slow  # 37 s; in make test-slow for the suite's 30-minute budget
 def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_reference,
                                                                   e2e_pool):
     """With --overlap-param-gather the parameters of step k+1 arrive during its forward. A run
@@ -318,6 +319,7 @@ def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_
         assert got[step] == pytest.approx(want[step], rel=RTOL), f"eval after step {step}"
 
 
+@pytest.mark.slow  # 36 s; --split's ranges and refusals stay in the default run (test_data)
 def test_split_trains_and_evaluates_the_parts_megatron_would(e2e_setup, e2e_pool):
     """``--split 75,25`` of one file trains and evaluates exactly like the two files holding
     Megatron's parts of it (documents [0, round(0.75 n)) and the rest) given as --data-path and
