@@ -13,14 +13,15 @@ not depend on the machine.
 
 Measured (torch 2.13 CPU, 2026-11-26; 2,048 positions, V_s 4,096, V_t 6,000, k = 64; fused CE;
 before = commit 74eaced, after = the W entries expanded once per call (``loss/block_entries.py``),
-per-position label and block-row arithmetic done once per call, no TP reductions with one TP rank):
+per-position label and block-row arithmetic done once per call, no TP reductions with one TP rank;
+"after" re-measured at the commit that added ``_Plan._factor``):
 
   form         ops / block          ops / call
                before   after      before   after
-  topk          184.7    20.6        483     304
-  chunk_topk    208.6    37.1        566     374
-  gold          182.3   103.7       1155    1056
-  full          164.5    93.6       1335    1310
+  topk          184.7    20.7        483     300
+  chunk_topk    208.6    37.2        566     373
+  gold          182.3   103.9       1155    1052
+  full          164.5    93.7       1335    1302
 
 On the H200 (16k tokens, V_s 49,152, fp32, k = 256, 64 MiB blocks): chunk top-k 59 -> 30 ms,
 top-k 39 -> 26 ms against Megatron CE's 12 ms (bench_loss.py's table).

@@ -46,8 +46,8 @@ def expand_block_entries(rows: ChunkRows, entries: ColumnEntries, num_real: int,
     pos = torch.nonzero(pos_row >= 0, as_tuple=True)[0]
     row = pos_row.index_select(0, pos)
     length = entries.length.index_select(0, row)
-    starts = torch.tensor([b.start for b in blocks], dtype=torch.int64)
-    block_of_pos = torch.searchsorted(starts.to(device), pos, right=True) - 1
+    starts = torch.tensor([b.start for b in blocks], dtype=torch.int64, device=device)
+    block_of_pos = torch.searchsorted(starts, pos, right=True) - 1
     counts = torch.zeros(len(blocks), dtype=torch.int64, device=device).index_add_(
         0, block_of_pos, length)
     sizes = counts.tolist()  # the call's one synchronisation
@@ -58,7 +58,7 @@ def expand_block_entries(rows: ChunkRows, entries: ColumnEntries, num_real: int,
                                    output_size=total)
            + torch.arange(total, device=device))
     block_e = torch.repeat_interleave(block_of_pos, length, output_size=total)
-    pos_rel = pos_e - starts.to(device).index_select(0, block_e)
+    pos_rel = pos_e - starts.index_select(0, block_e)
     row_starts = torch.tensor([b.row_start for b in blocks], dtype=torch.int64, device=device)
     flat = ((entries.row.index_select(0, ent) - row_starts.index_select(0, block_e)) * k
             + entries.slot.index_select(0, ent))

@@ -108,12 +108,16 @@ class _Plan:
         """CE needs its own softmax (T != 1)."""
         return self.labels is not None and self.temp != 1.0
 
+    def _factor(self, lz_local: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """exp(shard log-partition - TP-wide log-partition) of positions [lo, hi): what turns
+        this shard's softmax into the TP-wide one (ones with one TP rank)."""
+        return self.ones[lo:hi] if self.single else torch.exp(lz_local - self.logz[lo:hi])
+
     def _block(self, x, probs_local, lz_local, blk, index: int) -> BlockData:
         rows, lo, hi = self.rows, blk.start, blk.end
-        logz = self.logz[lo:hi]
-        factor = self.ones[lo:hi] if self.single else torch.exp(lz_local - logz)
         extra = None if self.extra is None else self.extra[lo:hi]
-        return BlockData(x, probs_local, factor, logz, rows.block_seg[lo:hi],
+        return BlockData(x, probs_local, self._factor(lz_local, lo, hi), self.logz[lo:hi],
+                         rows.block_seg[lo:hi],
                          blk.row_end - blk.row_start, blk.row_start, rows.block_seg_dummy[lo:hi],
                          extra, index, unit_factor=self.single)
 
@@ -321,10 +325,8 @@ class _Plan:
                 data = self._block(x, dx, lz_local, blk, index)
                 g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
                 kernel.backward_block(data, g_blk, inv_t, coef, dx)
-            elif self.single:
-                dx.mul_(coef[:, None])
             else:
-                dx.mul_((coef * torch.exp(lz_local - self.logz[blk.start: blk.end]))[:, None])
+                dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
             if self.labels is not None:
                 self._ce_backward(dx, logits2d, blk.start, blk.end, ce_scale, ce_label)
             if not direct:
@@ -440,15 +442,15 @@ def parallel_kd_loss(
 
     if payload is None:
         rows = build_chunk_rows(torch.full((b, t), -1, dtype=torch.int64), 0, None, None,
-                                max_block)
+                                max_block).to(dev)
         kernel = None
     else:
         options = _KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
         vocab = _VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
         rows = _rows(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only, cp_group,
-                     max_block).to(dev)
+                     max_block).to(dev)  # once: the kernel and the plan index with them
         kernel = _kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
-    plan = _Plan(rows=rows.to(dev), kernel=kernel or _NoKernel(), num_real=num_real,
+    plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows))
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)

@@ -42,7 +42,8 @@ def read_tracker(root: str) -> str | int | None:
     path = os.path.join(root, TRACKER_FILE)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as fh:
+        text = fh.read().strip()
     if text == RELEASE:
         return RELEASE
     if not text.isdigit():

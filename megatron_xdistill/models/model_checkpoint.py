@@ -71,7 +71,7 @@ class CheckpointError(RuntimeError):
 
 def iteration_dir(root: str, iteration: int) -> str:
     """Megatron-LM's folder of one iteration's checkpoint under a training root."""
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return tracked_folder(root, iteration)
 
 
 def _tracked(root: str) -> str | int | None:
@@ -107,7 +107,9 @@ def _info_path(path: str) -> str | None:
     candidates = [os.path.join(path, MODEL_INFO_FILE)]
     if os.path.isfile(os.path.join(path, TRACKER_FILE)):
         candidates.insert(0, os.path.join(resolve_checkpoint_dir(path), MODEL_INFO_FILE))
-    candidates.append(os.path.join(os.path.dirname(os.path.abspath(path)), MODEL_INFO_FILE))
+    else:  # an iteration folder: the description sits at its training root; a root's parent
+        # is another folder (a Megatron-LM root there is described by its own args)
+        candidates.append(os.path.join(os.path.dirname(os.path.abspath(path)), MODEL_INFO_FILE))
     return next((c for c in candidates if os.path.isfile(c)), None)
 
 

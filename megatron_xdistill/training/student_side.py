@@ -266,9 +266,9 @@ class StudentSide:
         """Model, optimizer, scheduler and RNG from a training checkpoint (collective over the
         student ranks; ``--no-load-optim`` / ``--no-load-rng`` keep this run's own); returns
         where the run stands."""
-        keep_optim = getattr(self.args, "no_load_optim", False)
+        keep_optim = self.args.no_load_optim
         return load_checkpoint(root, self.model.module,
                                None if keep_optim else self.optimizer,
                                None if keep_optim else self.scheduler,
                                self.groups.pg_collection.dp_cp, process_group=self.world,
-                               load_rng=not getattr(self.args, "no_load_rng", False))
+                               load_rng=not self.args.no_load_rng)
