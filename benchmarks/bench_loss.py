@@ -79,7 +79,7 @@ HBM speed), so the GPU waits on the host. Fusing the per-block work (torch.compi
 is the open item; a NeMo-RL-style dense P-KL core measured 3.4-4.3x CE on an H100.
 
 On one H200 (same software and command, 2026-11-26; fp32, k = 256; ms per forward + backward;
-all rows on the same machine): old = commit 74eaced; expanded = the column forms' W entries
+all rows on the same machine): old = commit 74eaced; final = commit 76a1e6a; expanded = the column forms' W entries
 expanded once per call with block-relative indices (``loss/block_entries.py``: a block issues no
 index arithmetic and no host waits); final = also the per-position label and block-row
 arithmetic once per call and, with one TP rank, no partition reductions or factor products

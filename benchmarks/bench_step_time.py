@@ -35,7 +35,8 @@ published architectures with random weights, ``--device cuda --random-weights --
 The step costs the sum of its phases (2.38 s vs 0.81 + 1.55 + 0.01 = 2.37: ratio 1.00); the
 cross-tokenizer loss is 23% of it (see bench_loss.py's GPU table).
 
-The same command on one H200 (2026-11-26, the loss's W entries expanded once per call,
+The same command on one H200 (2026-11-26, an intermediate state of commit 76a1e6a: the loss's W
+entries expanded once per call,
 ``loss/block_entries.py``; steps 2..5 from the run's log, the process was stopped before its
 table): teacher 0.90 s, student 1.26 s (loss 0.27), optimizer 0.01 s, wall 2.18 s, 7,570
 tokens/s; ratio wall / (teacher + student + optimizer) = 1.00, the loss 12% of the step. On CUDA the phase clocks
