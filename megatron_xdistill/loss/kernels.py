@@ -15,6 +15,7 @@ contribution, transposed).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ from .sorted_top import sorted_top
 from .workspace import scratch
 
 Raw = dict[str, torch.Tensor]
+#: ``write(a, c, r)``: out <- p * (a + c * r) (+ the plan's own dense terms), c and r optional.
+DenseWrite = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 @dataclass
@@ -49,6 +52,24 @@ class BlockData:
     extra: torch.Tensor | None = None  # [n] this shard's projected mass (tail bucket)
     index: int = 0             # the block's place among the call's blocks
     unit_factor: bool = False  # factor is all ones (one TP rank): kernels may skip it
+    # Fused mode (``row_softmax``): no dense softmax; x holds the logits (any dtype, rows
+    # possibly strided), probabilities come from x * scale and this shard's log-partitions.
+    lz_local: torch.Tensor | None = None  # [n]
+    scale: float = 1.0
+
+    def probs_at(self, pos: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
+        """This shard's softmax at flat [n, V_real] indices ``lin`` (of rows ``pos``), in the
+        compute dtype (a new tensor)."""
+        if self.probs_local is not None:
+            return self.probs_local.reshape(-1).index_select(0, lin)
+        n, width = self.x.shape
+        stride = self.x.stride(0) if n > 1 else width
+        flat = self.x.as_strided((max(0, (n - 1) * stride + width),), (1,))
+        idx = lin if stride == width else lin + pos * (stride - width)
+        v = flat.index_select(0, idx).to(self.logz.dtype)
+        if self.scale != 1.0:
+            v.mul_(self.scale)
+        return v.sub_(self.lz_local.index_select(0, pos)).exp_()
 
 
 def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -90,6 +111,7 @@ class TailRowSums:
         off = (rowsum - const).abs() > ROW_SUM_RTOL * abs(self.const)
         self.cols = torch.nonzero(off, as_tuple=True)[0]
         self.delta = rowsum.index_select(0, self.cols) - const
+        self.excess = rowsum - const  # [V_real] r - c: the fused forward's mass, c + p.(r - c)
         self.sparse = self.cols.numel() * 8 <= rowsum.numel()
 
     def to(self, dtype: torch.dtype) -> TailRowSums:
@@ -156,13 +178,13 @@ class ColumnsKernel:
 
     def raw(self, blk: BlockData) -> Raw:
         e = self._expand(blk)
-        mass = blk.probs_local.reshape(-1).index_select(0, e.lin).mul_(e.weight)
+        mass = blk.probs_at(e.pos, e.lin).mul_(e.weight)
         if not blk.unit_factor:
             mass.mul_(blk.factor.index_select(0, e.pos))
-        q = blk.x.new_zeros(blk.num_rows * self.k).index_add_(0, e.flat, mass)
+        q = blk.logz.new_zeros(blk.num_rows * self.k).index_add_(0, e.flat, mass)
         out = {"q": q.view(blk.num_rows, self.k)}
         if self.tail:
-            out["total"] = blk.x.new_zeros(blk.num_rows + 1).index_add_(
+            out["total"] = blk.logz.new_zeros(blk.num_rows + 1).index_add_(
                 0, blk.seg_dummy, blk.extra)[:-1]
         return out
 
@@ -178,12 +200,12 @@ class ColumnsKernel:
             kl = projected_kl(log_p, q, None, self.reverse)
         return kl, (q.argmax(-1) == log_p.argmax(-1)) if top1 else None
 
-    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
-                       out: torch.Tensor) -> None:
-        """``out`` holds ``probs_local``; leaves inv_t * dKL/dx + coef * p in it."""
+    def _backward_terms(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """inv_t * dKL/dx + coef * p of a block = p * (base + a * r) plus sparse entries
+        (r: W's row sums, tail form only): returns (base, a or None, lin, values)."""
         e = self._expand(blk)
-        out_flat = out.view(-1)  # contiguous [n, V_real]
-        contrib = out_flat.index_select(0, e.lin).mul_(e.weight).mul_(
+        contrib = blk.probs_at(e.pos, e.lin).mul_(e.weight).mul_(
             grad["q"].reshape(-1).index_select(0, e.flat))
         if not blk.unit_factor:
             contrib.mul_(blk.factor.index_select(0, e.pos))
@@ -199,11 +221,25 @@ class ColumnsKernel:
             base.mul_(blk.factor)
             if self.tail:
                 scale.mul_(blk.factor)
+        return base, scale, e.lin, contrib.mul_(inv_t)
+
+    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        """``out`` holds ``probs_local``; leaves inv_t * dKL/dx + coef * p in it."""
+        base, scale, lin, values = self._backward_terms(blk, grad, inv_t, coef)
         if self.tail:
             self.row_sums.scale_(out, base, scale)
         else:
             out.mul_(base[:, None])
-        out_flat.index_add_(0, e.lin, contrib.mul_(inv_t))
+        out.view(-1).index_add_(0, lin, values)  # contiguous [n, V_real]
+
+    def backward_fused(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
+                       out: torch.Tensor, write: DenseWrite) -> None:
+        """The same gradient into ``out`` (contiguous [n, V_real], any content) with the dense
+        part written in one pass by ``write(a, c, r)`` (``out <- p * (a + c * r)``)."""
+        base, scale, lin, values = self._backward_terms(blk, grad, inv_t, coef)
+        write(base, scale, self.row_sums.dense if self.tail else None)
+        out.view(-1).index_add_(0, lin, values)
 
 
 class DenseKernel:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import row_softmax
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank, group_size
 from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
@@ -55,8 +56,10 @@ class _Plan:
 
     def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
                  temperature: float, labels: torch.Tensor | None, tp_group: Group,
-                 cp_group: Group, max_block: int) -> None:
+                 cp_group: Group, max_block: int, fused: bool = False) -> None:
         self.rows, self.kernel = rows, kernel
+        # Dense passes through ``row_softmax``'s fused kernels: no [block, V] softmax buffer.
+        self.fused = fused
         self.num_real, self.vocab_start = num_real, vocab_start
         self.temp = float(temperature)
         self.labels = labels
@@ -119,7 +122,8 @@ class _Plan:
         return BlockData(x, probs_local, self._factor(lz_local, lo, hi), self.logz[lo:hi],
                          rows.block_seg[lo:hi],
                          blk.row_end - blk.row_start, blk.row_start, rows.block_seg_dummy[lo:hi],
-                         extra, index, unit_factor=self.single)
+                         extra, index, unit_factor=self.single,
+                         lz_local=lz_local if self.fused else None, scale=1.0 / self.temp)
 
     # ----------------------------------------------------------------- forward
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,9 +150,13 @@ class _Plan:
         acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
         raws, split_buf = [], None
         for index, blk in enumerate(rows.blocks):
-            x = self._x(logits2d, blk.start, blk.end)
-            probs = self._workspace(blk.end - blk.start, x, "p")
-            lz_local = self._partition(x, probs, logits2d, blk.start, blk.end)
+            if self.fused:  # the block's logits as they are; no softmax buffer
+                x, probs = logits2d[blk.start: blk.end, : self.num_real], None
+                lz_local = self._partition_fused(x, blk.start, blk.end)
+            else:
+                x = self._x(logits2d, blk.start, blk.end)
+                probs = self._workspace(blk.end - blk.start, x, "p")
+                lz_local = self._partition(x, probs, logits2d, blk.start, blk.end)
             if blk.row_end == blk.row_start:
                 continue
             data = self._block(x, probs, lz_local, blk, index)
@@ -196,10 +204,33 @@ class _Plan:
             z = self._x(logits2d, start, end, unscaled=True)
             lz1 = self.lz1_local[start:end]
             lz1.copy_(self._local_softmax(z, self._workspace(end - start, x, "p1")))
+        mass = None if self.extra is None else self.tail.mass(probs)
+        self._reduce_partition(lz_local, lz1, mass, start, end)
+        return lz_local
+
+    def _partition_fused(self, z: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """:meth:`_partition` from the logits ``z`` in one fused pass (two with CE at T != 1):
+        the local log-partitions and, for the tail, the softmax mean of W's row sums."""
+        lz_local = self.lz_local[start:end]
+        excess = None if self.extra is None else self.tail.excess
+        lse, mean = row_softmax.row_partition(z, 1.0 / self.temp, excess)
+        lz_local.copy_(lse)
+        lz1 = None
+        if self._ce_extra:
+            lz1 = self.lz1_local[start:end]
+            lz1.copy_(row_softmax.row_partition(z, 1.0)[0])
+        mass = None if mean is None else mean.to(self.dtype).add_(self.tail.const)
+        self._reduce_partition(lz_local, lz1, mass, start, end)
+        return lz_local
+
+    def _reduce_partition(self, lz_local, lz1, mass, start: int, end: int) -> None:
+        """TP-wide log-partitions of the positions [start, end) from this shard's (nothing to
+        do with one TP rank) and the tail's projected mass of this shard (``mass``, scaled to
+        the TP-wide softmax) into ``self.extra``."""
         if self.single:
-            if self.extra is not None:  # this shard's share of the projected mass (summed in kl)
-                self.extra[start:end] = self.tail.mass(probs)
-            return lz_local
+            if mass is not None:  # this shard's share of the projected mass (summed in kl)
+                self.extra[start:end] = mass
+            return
         maxes = [lz_local] if lz1 is None else [lz_local, lz1]
         top = all_reduce(torch.stack(maxes, 1), self.tp_group, "max")
         top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
@@ -209,9 +240,8 @@ class _Plan:
         torch.add(top[:, 0], stats[:, 0].log(), out=logz)
         if lz1 is not None:
             torch.add(top[:, 1], stats[:, 1].log(), out=self.logz1[start:end])
-        if self.extra is not None:
-            self.extra[start:end] = self.tail.mass(probs) * torch.exp(lz_local - logz)
-        return lz_local
+        if mass is not None:
+            self.extra[start:end] = mass * torch.exp(lz_local - logz)
 
     def _stash_split(self, raw: Raw, blk, buf: Raw | None) -> Raw | None:
         """Copy the raw sums of split rows (of a block, or of all rows) into the CP buffer."""
@@ -317,21 +347,54 @@ class _Plan:
             n = blk.end - blk.start
             direct = out.is_contiguous() and out.dtype == self.dtype
             dx = out if direct else self._workspace(n, out, "dx")
-            x = self._x(logits2d, blk.start, blk.end)
-            torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
             coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
             lz_local = self.lz_local[blk.start: blk.end]
-            if has_rows:
-                data = self._block(x, dx, lz_local, blk, index)
-                g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
-                kernel.backward_block(data, g_blk, inv_t, coef, dx)
+            if self.fused:
+                z = logits2d[blk.start: blk.end, : self.num_real]
+                write = self._dense_writer(dx, z, blk.start, blk.end, ce_scale)
+                if has_rows:
+                    data = self._block(z, None, lz_local, blk, index)
+                    g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
+                    kernel.backward_fused(data, g_blk, inv_t, coef, dx, write)
+                else:
+                    write(coef * self._factor(lz_local, blk.start, blk.end), None, None)
             else:
-                dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
-            if self.labels is not None:
-                self._ce_backward(dx, logits2d, blk.start, blk.end, ce_scale, ce_label)
+                x = self._x(logits2d, blk.start, blk.end)
+                torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
+                if has_rows:
+                    data = self._block(x, dx, lz_local, blk, index)
+                    g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
+                    kernel.backward_block(data, g_blk, inv_t, coef, dx)
+                else:
+                    dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
+                if self._ce_extra:
+                    self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
+            if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
+                dx.scatter_add_(1, self.label_col[blk.start: blk.end],
+                                ce_label[blk.start: blk.end])
             if not direct:
                 out.copy_(dx)
         return grad_full
+
+    def _ce_weight(self, scale: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """CE's weight on the T = 1 softmax of this shard (CE at T != 1)."""
+        weight = scale[start:end]
+        if not self.single:
+            weight = weight * torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
+        return weight
+
+    def _dense_writer(self, dx: torch.Tensor, z: torch.Tensor, start: int, end: int,
+                      ce_scale: torch.Tensor | None):
+        """``write(a, c, r)``: dx <- p * (a + c * r) in one fused pass over the logits ``z``
+        (p: this shard's softmax of z / T), plus CE's own softmax term at T != 1."""
+        lz = self.lz_local[start:end]
+        lz1 = b = None
+        if self._ce_extra:
+            lz1, b = self.lz1_local[start:end], self._ce_weight(ce_scale, start, end)
+
+        def write(a, c, r) -> None:
+            row_softmax.softmax_combine_(dx, z, 1.0 / self.temp, lz, a, c, r, lz1, b)
+        return write
 
     def _block_grad(self, data: BlockData, g_all, g_split, g_kd, blk) -> Raw:
         """Gradient of the KD sum with respect to the block rows' raw sums."""
@@ -354,21 +417,14 @@ class _Plan:
                 out[k][split] = g_split[k][slot[split]]
         return out
 
-    def _ce_backward(self, dx, logits2d, start: int, end: int, scale: torch.Tensor,
-                     label: torch.Tensor) -> None:
-        """CE's gradient scale * (softmax(z) - onehot(label)); the softmax part is already in
-        ``dx`` unless T != 1. ``label``: the one-hot part's values per position [N, 1]."""
-        if self._ce_extra:
-            z = self._x(logits2d, start, end, unscaled=True)
-            p1 = self._workspace(end - start, dx, "p1")
-            torch.ops.aten._softmax.out(z, 1, False, out=p1)
-            weight = scale[start:end]
-            if not self.single:
-                weight = weight * torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
-            dx.addcmul_(p1, weight[:, None])
-        if dx.shape[1] == 0:  # a shard of padding columns only
-            return
-        dx.scatter_add_(1, self.label_col[start:end], label[start:end])
+    def _ce_extra_backward(self, dx, logits2d, start: int, end: int, scale: torch.Tensor
+                           ) -> None:
+        """CE's softmax part scale * softmax(z) at T != 1 (at T = 1 it is folded into the KD
+        gradient's coefficient)."""
+        z = self._x(logits2d, start, end, unscaled=True)
+        p1 = self._workspace(end - start, dx, "p1")
+        torch.ops.aten._softmax.out(z, 1, False, out=p1)
+        dx.addcmul_(p1, self._ce_weight(scale, start, end)[:, None])
 
 
 class _KDFunction(torch.autograd.Function):
@@ -431,10 +487,18 @@ def parallel_kd_loss(
     # 1/32 of the positions, so the scratch buffers stay a small share of the logits. Kernels
     # that finish their rows per block (all of V_t, gold / H-KL) hold several [rows, V]
     # temporaries per block: a quarter of that, and at most 1/128 of the positions.
+    # With the fused dense passes (row_softmax: CE and the column forms, on a GPU) a block
+    # holds no [rows, V] buffer when the gradient can be written in place (fp32 logits): the
+    # whole call is one block.
     kernel_class = _NoKernel if payload is None else _kernel_class(mode, payload.spec.form)
+    fused = (kernel_class in (_NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
+             and student_logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
     shrink = 4 if kernel_class.per_block else 1
     max_block = max(1, min(block_bytes // (4 * max(v_local, 1) * shrink),
                            -(-b * t // (32 * shrink))))
+    padded = student_vocab_size < group_size(tp_group) * v_local  # some shard has padding
+    if fused and student_logits.dtype == torch.float32 and not padded:
+        max_block = b * t
     if labels is not None:
         labels = labels.to(dev, torch.int64).reshape(-1)
         if labels.numel() != b * t:
@@ -452,7 +516,7 @@ def parallel_kd_loss(
         kernel = _kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
     plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
-                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows))
+                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused)
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
     return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
