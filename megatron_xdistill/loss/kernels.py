@@ -15,7 +15,6 @@ contribution, transposed).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .common import EPS, TINY
 from .formulas import gold_kl, projected_kl
+from .fused_grad import FusedGradWriter
 from .image_projection import ImageProjection
 from .payload import TeacherPayload
 from .shard import ProjectionShard
@@ -32,8 +32,6 @@ from .sorted_top import sorted_top
 from .workspace import scratch
 
 Raw = dict[str, torch.Tensor]
-#: ``write(a, c, r)``: out <- p * (a + c * r) (+ the plan's own dense terms), c and r optional.
-DenseWrite = Callable[[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"], None]
 
 
 @dataclass
@@ -234,12 +232,12 @@ class ColumnsKernel:
         out.view(-1).index_add_(0, lin, values)  # contiguous [n, V_real]
 
     def backward_fused(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
-                       out: torch.Tensor, write: DenseWrite) -> None:
-        """The same gradient into ``out`` (contiguous [n, V_real], any content) with the dense
-        part written in one pass by ``write(a, c, r)`` (``out <- p * (a + c * r)``)."""
+                       writer: FusedGradWriter) -> None:
+        """The same gradient through ``writer``: its dense pass p * (base + a * r), then the
+        entries."""
         base, scale, lin, values = self._backward_terms(blk, grad, inv_t, coef)
-        write(base, scale, self.row_sums.dense if self.tail else None)
-        out.view(-1).index_add_(0, lin, values)
+        writer.dense(base, scale, self.row_sums.dense if self.tail else None)
+        writer.add(lin, values)
 
 
 class DenseKernel:

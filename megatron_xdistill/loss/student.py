@@ -21,6 +21,7 @@ from . import row_softmax
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank, group_size
 from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
+from .fused_grad import FusedGradWriter
 from .kernels import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
 from .payload import TeacherPayload
 from .shard import ProjectionShard
@@ -345,19 +346,26 @@ class _Plan:
                 out.zero_()
                 continue
             n = blk.end - blk.start
-            direct = out.is_contiguous() and out.dtype == self.dtype
+            # Fused: any dtype is written in place (low-precision gradients exactly; see
+            # fused_grad); otherwise an fp32 buffer unless the gradient is one already.
+            direct = out.is_contiguous() and (self.fused or out.dtype == self.dtype)
             dx = out if direct else self._workspace(n, out, "dx")
             coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
             lz_local = self.lz_local[blk.start: blk.end]
             if self.fused:
                 z = logits2d[blk.start: blk.end, : self.num_real]
-                write = self._dense_writer(dx, z, blk.start, blk.end, ce_scale)
+                writer = self._writer(dx, z, blk.start, blk.end, ce_scale)
                 if has_rows:
                     data = self._block(z, None, lz_local, blk, index)
                     g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
-                    kernel.backward_fused(data, g_blk, inv_t, coef, dx, write)
+                    kernel.backward_fused(data, g_blk, inv_t, coef, writer)
                 else:
-                    write(coef * self._factor(lz_local, blk.start, blk.end), None, None)
+                    writer.dense(coef * self._factor(lz_local, blk.start, blk.end))
+                if self.labels is not None and dx.shape[1]:  # CE's -weight on the label
+                    lin = (torch.arange(n, device=dev) * dx.shape[1]
+                           + self.label_col[blk.start: blk.end, 0])
+                    writer.add(lin, ce_label[blk.start: blk.end, 0])
+                writer.finish()
             else:
                 x = self._x(logits2d, blk.start, blk.end)
                 torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
@@ -369,9 +377,9 @@ class _Plan:
                     dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
                 if self._ce_extra:
                     self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
-            if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
-                dx.scatter_add_(1, self.label_col[blk.start: blk.end],
-                                ce_label[blk.start: blk.end])
+                if self.labels is not None and dx.shape[1]:  # CE's -weight on the label
+                    dx.scatter_add_(1, self.label_col[blk.start: blk.end],
+                                    ce_label[blk.start: blk.end])
             if not direct:
                 out.copy_(dx)
         return grad_full
@@ -383,18 +391,14 @@ class _Plan:
             weight = weight * torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
         return weight
 
-    def _dense_writer(self, dx: torch.Tensor, z: torch.Tensor, start: int, end: int,
-                      ce_scale: torch.Tensor | None):
-        """``write(a, c, r)``: dx <- p * (a + c * r) in one fused pass over the logits ``z``
-        (p: this shard's softmax of z / T), plus CE's own softmax term at T != 1."""
-        lz = self.lz_local[start:end]
+    def _writer(self, dx: torch.Tensor, z: torch.Tensor, start: int, end: int,
+                ce_scale: torch.Tensor | None) -> FusedGradWriter:
+        """The fused gradient writer of positions [start, end) into ``dx`` from their logits
+        ``z`` (p: this shard's softmax of z / T), with CE's own softmax term at T != 1."""
         lz1 = b = None
         if self._ce_extra:
             lz1, b = self.lz1_local[start:end], self._ce_weight(ce_scale, start, end)
-
-        def write(a, c, r) -> None:
-            row_softmax.softmax_combine_(dx, z, 1.0 / self.temp, lz, a, c, r, lz1, b)
-        return write
+        return FusedGradWriter(dx, z, 1.0 / self.temp, self.lz_local[start:end], lz1, b)
 
     def _block_grad(self, data: BlockData, g_all, g_split, g_kd, blk) -> Raw:
         """Gradient of the KD sum with respect to the block rows' raw sums."""
@@ -488,8 +492,8 @@ def parallel_kd_loss(
     # that finish their rows per block (all of V_t, gold / H-KL) hold several [rows, V]
     # temporaries per block: a quarter of that, and at most 1/128 of the positions.
     # With the fused dense passes (row_softmax: CE and the column forms, on a GPU) a block
-    # holds no [rows, V] buffer when the gradient can be written in place (fp32 logits): the
-    # whole call is one block.
+    # holds no [rows, V] buffer when the gradient can be written in place (no padded
+    # columns): the whole call is one block.
     kernel_class = _NoKernel if payload is None else _kernel_class(mode, payload.spec.form)
     fused = (kernel_class in (_NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
              and student_logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
@@ -497,7 +501,7 @@ def parallel_kd_loss(
     max_block = max(1, min(block_bytes // (4 * max(v_local, 1) * shrink),
                            -(-b * t // (32 * shrink))))
     padded = student_vocab_size < group_size(tp_group) * v_local  # some shard has padding
-    if fused and student_logits.dtype == torch.float32 and not padded:
+    if fused and not padded:
         max_block = b * t
     if labels is not None:
         labels = labels.to(dev, torch.int64).reshape(-1)
