@@ -101,6 +101,35 @@ of the "expanded" chunk top-k step (k = 64, fused CE): 6,105 kernels with the GP
 reach <= 1.5x CE: fewer, larger blocks on the GPU (the 1/32-of-positions cap that keeps the
 scratch buffers under 10% of the logits) or fusing a block's work into a few kernels. A GPU test
 checks that the host waits do not grow with the number of blocks (35-39 per call).
+
+Fused (``loss/row_softmax.py``, Triton; commits 2d26fea and 6fe4fa1), one H200, 2026-11-26, k =
+256, ``--with-ce``: the column forms and CE read the logits twice in all (one kernel computes the
+forward's log-partitions and tail mass, one writes the backward's dense gradient) and keep no
+[block, V] buffer, so a call is one block (bf16 gradients written in place, the sparse
+corrections rounded once). "unfused" = the blockwise path above (``XDISTILL_FUSED_SOFTMAX=0``),
+in the same call as the first fused fp32 row; the fp32 rows are two calls on two machines
+(the spread is the machines'):
+
+  dtype  V_s      method        ms      x CE         extra / logits
+  fp32   49,152   megatron CE   12      1.00              0.0%
+  fp32   49,152   topk          14-15   1.15-1.28         6.5%   (unfused 32 ms, 2.71x)
+  fp32   49,152   chunk_topk    15-19   1.25-1.61         7.3%   (unfused 42 ms, 3.50x)
+  fp32   128,256  megatron CE   30      1.00              0.0%
+  fp32   128,256  topk          22-23   0.74              4.7%
+  fp32   128,256  chunk_topk    20-24   0.65-0.79         4.7%
+  bf16   49,152   megatron CE   14      1.00            200%   (its fp32 copy of the logits)
+  bf16   49,152   topk          14      1.01             23.0%
+  bf16   49,152   chunk_topk    15      1.07             24.8%   (blockwise fused: 56 ms, 4.07x)
+  bf16   128,256  megatron CE   35      1.00            200%
+  bf16   128,256  topk          19      0.54             21.2%
+  bf16   128,256  chunk_topk    21      0.59             22.7%
+
+A profile of the fused chunk top-k step (fp32, 49k): 309 kernels, the GPU busy 5.2 ms (the two
+dense kernels 0.85 + 1.67 ms, near the H200's bandwidth); the rest of the step is the host's
+per-call setup of the chunk rows and W's entries. The extra memory is those entries (about 36
+bytes each), which the bf16 share doubles. Not fused: the exact form (``full``) and gold / H-KL,
+still blockwise at 35x and 39x CE on the H200 at 047d041 (``full`` 416 ms, gold 456 ms at 49k:
+many small blocks, torch.topk's radix passes for gold; GPU busy 290 ms / 157 ms).
 """
 
 from __future__ import annotations

@@ -20,9 +20,17 @@ import torch
 from . import row_softmax
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank, group_size
-from .common import GOLD_RULES, UNCOMMON_TOPK, check_mode
+from .common import UNCOMMON_TOPK, check_mode
 from .fused_grad import FusedGradWriter
-from .kernels import BlockData, ColumnsKernel, DenseKernel, GoldKernel, Raw
+from .kernel_choice import (
+    KernelOptions,
+    NoKernel,
+    VocabShard,
+    build_kernel,
+    chunk_rows_for,
+    kernel_class_for,
+)
+from .kernels import BlockData, ColumnsKernel, Raw
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 from .workspace import scratch
@@ -494,8 +502,8 @@ def parallel_kd_loss(
     # With the fused dense passes (row_softmax: CE and the column forms, on a GPU) a block
     # holds no [rows, V] buffer when the gradient can be written in place (no padded
     # columns): the whole call is one block.
-    kernel_class = _NoKernel if payload is None else _kernel_class(mode, payload.spec.form)
-    fused = (kernel_class in (_NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
+    kernel_class = NoKernel if payload is None else kernel_class_for(mode, payload.spec.form)
+    fused = (kernel_class in (NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
              and student_logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
     shrink = 4 if kernel_class.per_block else 1
     max_block = max(1, min(block_bytes // (4 * max(v_local, 1) * shrink),
@@ -513,12 +521,12 @@ def parallel_kd_loss(
                                 max_block).to(dev)
         kernel = None
     else:
-        options = _KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
-        vocab = _VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
-        rows = _rows(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only, cp_group,
+        options = KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
+        vocab = VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
+        rows = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only, cp_group,
                      max_block).to(dev)  # once: the kernel and the plan index with them
-        kernel = _kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
-    plan = _Plan(rows=rows, kernel=kernel or _NoKernel(), num_real=num_real,
+        kernel = build_kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
+    plan = _Plan(rows=rows, kernel=kernel or NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused)
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
@@ -526,96 +534,8 @@ def parallel_kd_loss(
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
 
 
-class _NoKernel:
-    """CE only: no chunk rows."""
-
-    per_block = False
-
-
 def _longest(rows: ChunkRows) -> int:
     return max((blk.end - blk.start for blk in rows.blocks), default=0)
-
-
-def _kernel_class(mode: str, form: str) -> type:
-    """The kernel for a loss mode and a teacher payload form (P-KL: all of V_t or columns;
-    gold / H-KL: common + uncommon)."""
-    if (mode == "pkl") == (form == "gold"):
-        raise ValueError(f"mode {mode!r} cannot use a {form!r} teacher payload")
-    if mode != "pkl":
-        return GoldKernel
-    return DenseKernel if form == "full" else ColumnsKernel
-
-
-@dataclass(frozen=True)
-class _KernelOptions:
-    """What the loss computes (see :func:`parallel_kd_loss`)."""
-
-    mode: str
-    reverse: bool
-    exact_only: bool
-    common_student_ids: torch.Tensor | None
-    uncommon_topk: int
-
-
-@dataclass(frozen=True)
-class _VocabShard:
-    """Where this TP rank's logits sit in the student vocabulary."""
-
-    vocab_size: int  # V_s, real tokens
-    start: int       # first column's token id
-    width: int       # V_local, padded columns included
-    num_real: int    # of them, real tokens
-    device: torch.device
-
-
-def _rows(payload: TeacherPayload, chunk_id, chunk_valid, chunk_exact, exact_only: bool,
-          cp_group: Group, max_block: int) -> ChunkRows:
-    """The rank's chunk rows (on the CPU): valid chunks with a teacher row (exact only, if
-    asked), cut into blocks."""
-    b = chunk_id.shape[0]
-    if payload.batch_size != b or chunk_valid.shape != (b, payload.spec.num_chunks):
-        raise ValueError(
-            f"payload ({payload.batch_size} samples, {payload.spec.num_chunks} chunks) and "
-            f"chunk_valid {tuple(chunk_valid.shape)} disagree with {b} samples")
-    include = chunk_valid.bool().cpu() & payload.has_teacher.bool().cpu()
-    if exact_only:
-        include &= chunk_exact.bool().cpu()
-    return build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
-
-
-def _kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, projection,
-            options: _KernelOptions, vocab: _VocabShard, tp_group: Group):
-    """The kernel of ``kernel_class`` for this call, its inputs checked."""
-    dev, num_real = vocab.device, vocab.num_real
-    if options.mode == "pkl":
-        shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
-            projection[0], projection[1], vocab.start, _teacher_vocab(payload, projection))
-        if shard.num_rows != vocab.width:
-            raise ValueError(f"projection shard has {shard.num_rows} rows, logits {vocab.width}")
-        shard = shard.to(dev)
-        if kernel_class is DenseKernel:
-            return DenseKernel(payload, shard, num_real, options.reverse, tp_group,
-                               torch.cat([rows.keys, rows.split_keys]))
-        return ColumnsKernel(payload, shard, num_real, rows, options.reverse, tp_group)
-    if options.common_student_ids is None:
-        raise ValueError(f"mode {options.mode!r} needs common_student_ids "
-                         f"(ProjectionMatrix.common_vocab({GOLD_RULES[options.mode]!r}))")
-    common = torch.as_tensor(options.common_student_ids, dtype=torch.int64, device=dev)
-    if common.numel() != payload.spec.width:
-        raise ValueError(f"{common.numel()} common ids but the payload has "
-                         f"{payload.spec.width} common columns")
-    n_unc = max(0, min(payload.spec.uncommon, vocab.vocab_size - common.numel(),
-                       options.uncommon_topk))
-    return GoldKernel(payload, common, vocab.start, num_real, n_unc, options.reverse, tp_group)
-
-
-def _teacher_vocab(payload: TeacherPayload, projection) -> int:
-    if payload.spec.form == "full":
-        return payload.spec.width
-    idx = torch.as_tensor(projection[0])
-    hi = int(idx.max()) + 1 if idx.numel() else 0
-    cols = payload.columns
-    return max(hi, int(cols.max()) + 1 if cols.numel() else 0, 1)
 
 
 __all__ = ["BLOCK_BYTES", "KDTerms", "parallel_kd_loss"]

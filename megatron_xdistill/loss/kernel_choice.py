@@ -1,0 +1,107 @@
+"""Which kernel a loss call uses, and its inputs: chunk rows of the rank, the projection shard,
+the common vocabulary of gold / H-KL, checked against the payload and the logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .chunk_rows import ChunkRows, build_chunk_rows
+from .collectives import Group
+from .common import GOLD_RULES
+from .kernels import ColumnsKernel, DenseKernel, GoldKernel
+from .payload import TeacherPayload
+from .shard import ProjectionShard
+
+
+class NoKernel:
+    """CE only: no chunk rows."""
+
+    per_block = False
+
+
+def kernel_class_for(mode: str, form: str) -> type:
+    """The kernel for a loss mode and a teacher payload form (P-KL: all of V_t or columns;
+    gold / H-KL: common + uncommon)."""
+    if (mode == "pkl") == (form == "gold"):
+        raise ValueError(f"mode {mode!r} cannot use a {form!r} teacher payload")
+    if mode != "pkl":
+        return GoldKernel
+    return DenseKernel if form == "full" else ColumnsKernel
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """What the loss computes (see :func:`parallel_kd_loss`)."""
+
+    mode: str
+    reverse: bool
+    exact_only: bool
+    common_student_ids: torch.Tensor | None
+    uncommon_topk: int
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this TP rank's logits sit in the student vocabulary."""
+
+    vocab_size: int  # V_s, real tokens
+    start: int       # first column's token id
+    width: int       # V_local, padded columns included
+    num_real: int    # of them, real tokens
+    device: torch.device
+
+
+def chunk_rows_for(payload: TeacherPayload, chunk_id, chunk_valid, chunk_exact, exact_only: bool,
+          cp_group: Group, max_block: int) -> ChunkRows:
+    """The rank's chunk rows (on the CPU): valid chunks with a teacher row (exact only, if
+    asked), cut into blocks."""
+    b = chunk_id.shape[0]
+    if payload.batch_size != b or chunk_valid.shape != (b, payload.spec.num_chunks):
+        raise ValueError(
+            f"payload ({payload.batch_size} samples, {payload.spec.num_chunks} chunks) and "
+            f"chunk_valid {tuple(chunk_valid.shape)} disagree with {b} samples")
+    include = chunk_valid.bool().cpu() & payload.has_teacher.bool().cpu()
+    if exact_only:
+        include &= chunk_exact.bool().cpu()
+    return build_chunk_rows(chunk_id, payload.spec.num_chunks, include, cp_group, max_block)
+
+
+def build_kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, projection,
+            options: KernelOptions, vocab: VocabShard, tp_group: Group):
+    """The kernel of ``kernel_class`` for this call, its inputs checked."""
+    dev, num_real = vocab.device, vocab.num_real
+    if options.mode == "pkl":
+        shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
+            projection[0], projection[1], vocab.start, teacher_vocab(payload, projection))
+        if shard.num_rows != vocab.width:
+            raise ValueError(f"projection shard has {shard.num_rows} rows, logits {vocab.width}")
+        shard = shard.to(dev)
+        if kernel_class is DenseKernel:
+            return DenseKernel(payload, shard, num_real, options.reverse, tp_group,
+                               torch.cat([rows.keys, rows.split_keys]))
+        return ColumnsKernel(payload, shard, num_real, rows, options.reverse, tp_group)
+    if options.common_student_ids is None:
+        raise ValueError(f"mode {options.mode!r} needs common_student_ids "
+                         f"(ProjectionMatrix.common_vocab({GOLD_RULES[options.mode]!r}))")
+    common = torch.as_tensor(options.common_student_ids, dtype=torch.int64, device=dev)
+    if common.numel() != payload.spec.width:
+        raise ValueError(f"{common.numel()} common ids but the payload has "
+                         f"{payload.spec.width} common columns")
+    n_unc = max(0, min(payload.spec.uncommon, vocab.vocab_size - common.numel(),
+                       options.uncommon_topk))
+    return GoldKernel(payload, common, vocab.start, num_real, n_unc, options.reverse, tp_group)
+
+
+def teacher_vocab(payload: TeacherPayload, projection) -> int:
+    if payload.spec.form == "full":
+        return payload.spec.width
+    idx = torch.as_tensor(projection[0])
+    hi = int(idx.max()) + 1 if idx.numel() else 0
+    cols = payload.columns
+    return max(hi, int(cols.max()) + 1 if cols.numel() else 0, 1)
+
+
+__all__ = ["KernelOptions", "NoKernel", "VocabShard", "build_kernel", "chunk_rows_for",
+           "kernel_class_for", "teacher_vocab"]
