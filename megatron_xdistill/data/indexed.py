@@ -12,6 +12,7 @@ with the document and the tokenizer named (the data was made with another tokeni
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -37,9 +38,11 @@ def _tokenizer(path: str):
 
 
 def read_indexed_documents(prefix: str, tokenizer_path: str | None,
-                           flag: str = "--data-tokenizer-model") -> list[str]:
+                           flag: str = "--data-tokenizer-model",
+                           only: Sequence[int] | None = None) -> list[str]:
     """The documents of the indexed dataset at ``prefix``, decoded to text with the tokenizer
-    at ``tokenizer_path``."""
+    at ``tokenizer_path`` (``only``: just these documents, in that order; the dataset is
+    memory-mapped, so the others are never read)."""
     if tokenizer_path is None:
         raise ValueError(f"{prefix} is a Megatron indexed dataset (.bin/.idx): its token ids are "
                          f"decoded with the tokenizer that made them; pass {flag}")
@@ -54,10 +57,11 @@ def read_indexed_documents(prefix: str, tokenizer_path: str | None,
                          f"{prefix}.bin and {prefix}.idx from the same preprocess_data.py run?"
                          ) from exc
     bounds = np.asarray(dataset.document_indices)
+    wanted = list(range(len(bounds) - 1)) if only is None else [int(d) for d in only]
     documents: list[str] = []
-    for first in range(0, len(bounds) - 1, _DECODE_BATCH):
+    for first in range(0, len(wanted), _DECODE_BATCH):
         batch = []
-        for doc in range(first, min(first + _DECODE_BATCH, len(bounds) - 1)):
+        for doc in wanted[first: first + _DECODE_BATCH]:
             parts = [dataset[i] for i in range(int(bounds[doc]), int(bounds[doc + 1]))]
             ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             if ids.size and int(ids.max()) >= vocab:

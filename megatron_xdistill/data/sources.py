@@ -190,6 +190,74 @@ def read_documents(path: str, text_field: str = "text",
     raise ValueError(f"{path}: unsupported file type; expected one of {sorted(SUFFIXES)}")
 
 
+def read_documents_at(path: str, indices: Sequence[int], text_field: str = "text",
+                      data_tokenizer: str | None = None) -> list[str]:
+    """Documents ``indices`` (ascending, numbered as :func:`read_documents` numbers them) of one
+    file, reading no more than that needs: a JSON Lines file is scanned but only those records
+    are parsed; Parquet reads the text column of the row groups that hold them; Arrow is
+    memory-mapped; an indexed dataset decodes only them."""
+    want = [int(i) for i in indices]
+    if not want:
+        return []
+    if any(b <= a for a, b in zip(want, want[1:])):
+        raise ValueError(f"{path}: document indices must ascend without repeats")
+    if is_indexed_prefix(path):
+        return read_indexed_documents(path, data_tokenizer, only=want)
+    kind = SUFFIXES.get(Path(path).suffix.lower())
+    if kind == "jsonl":
+        return _read_jsonl_at(path, text_field, want)
+    if kind == "parquet":
+        return _read_parquet_at(path, text_field, want)
+    docs = read_documents(path, text_field, data_tokenizer)  # Arrow (memory-mapped) and text
+    if want[-1] >= len(docs):
+        raise IndexError(f"{path} holds {len(docs)} documents, not {want[-1] + 1}")
+    return [docs[i] for i in want]
+
+
+def _read_jsonl_at(path: str, field: str, want: list[int]) -> list[str]:
+    out, k, doc = [], 0, 0
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            if doc == want[k]:
+                try:
+                    record = json.loads(raw.decode("utf-8"))
+                    text = record[field]
+                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path}:{lineno}: not a JSON record with a string field "
+                                     f"{field!r} (the file changed since it was planned?)"
+                                     ) from None
+                out.append(_check_text(text, f"{path}:{lineno}", field))
+                k += 1
+                if k == len(want):
+                    return out
+            doc += 1
+    raise IndexError(f"{path} holds {doc} documents, not {want[-1] + 1}")
+
+
+def _read_parquet_at(path: str, field: str, want: list[int]) -> list[str]:
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if field not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no column {field!r} (columns: {pf.schema_arrow.names}); "
+                         f"use --text-field")
+    sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    if want[-1] >= starts[-1]:
+        raise IndexError(f"{path} holds {int(starts[-1])} documents, not {want[-1] + 1}")
+    idx = np.asarray(want)
+    groups = np.searchsorted(starts, idx, side="right") - 1
+    out: list[str] = []
+    for g in np.unique(groups):
+        rows = idx[groups == g] - starts[g]
+        column = pf.read_row_group(int(g), columns=[field]).column(field).take(rows)
+        out.extend(v if v is not None else "" for v in column.to_pylist())
+    return out
+
+
 def source_size(path: str) -> int:
     """Bytes of a source: its file, or both files of a Megatron indexed dataset's prefix."""
     files = indexed_files(path) if is_indexed_prefix(path) else [path]

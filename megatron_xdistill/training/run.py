@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -73,26 +74,89 @@ def _data_tokenizer(args, sources) -> str | None:
 
 
 def _derive_teacher_length(args, documents, aligner) -> None:
-    """``--teacher-seq-length`` from the data when not given (every rank alike: the same
-    documents and tokenizers give the same length, no collective needed)."""
+    """``--teacher-seq-length`` from the data when not given (rank 0, which holds the documents;
+    :func:`_corpus` hands the length to the others)."""
     from megatron_xdistill.data.lengths import teacher_length_from_data
-    from megatron_xdistill.training.arguments import check_sequence_length, sequence_multiple
+    from megatron_xdistill.training.arguments import sequence_multiple
 
     if args.teacher_seq_length is not None:
         return
     choice = teacher_length_from_data(documents, aligner, args.seq_length,
                                       multiple=sequence_multiple(args, "teacher"))
     args.teacher_seq_length = choice.teacher_seq_length
-    check_sequence_length(args, "teacher", args.teacher_seq_length)
     _log(f"> {choice.describe()}")
 
 
-def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
-    """Packing plan: rank 0 builds (or finds in the cache) and writes it; the others read it.
-    ``loaded``: the ``_documents`` of ``paths`` when already read."""
+def _on_rank0(fn):
+    """``fn()`` on rank 0; its result, or the error it raised on bad input, on every rank (the
+    others wait in the broadcast instead of each reading the inputs themselves)."""
+    import pickle
+
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - every rank must leave the broadcast
+            try:
+                pickle.dumps(exc)
+            except Exception:  # noqa: BLE001 - an error that cannot travel: its text does
+                exc = RuntimeError(f"rank 0: {type(exc).__name__}: {exc}")
+            box[0] = ("error", exc)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+def _corpus(args, aligner) -> tuple[dict, object, object]:
+    """Rank 0 reads ``--data-path`` (and ``--valid-data-path``) whole, splits it (``--split``)
+    and derives the teacher's length; every rank gets the numbering of the planned documents.
+    Returns (rank 0's documents for planning, or {} elsewhere; the training numbering; the
+    validation numbering or None)."""
+    from megatron_xdistill.data.document_share import DocumentNumbering
+    from megatron_xdistill.data.sources import parse_data_path
+    from megatron_xdistill.data.split import split_loaded, split_ranges
+    from megatron_xdistill.training.arguments import check_sequence_length
+
+    loaded: dict = {}
+
+    def read() -> dict:
+        train = _documents(args, args.data_path, "train")
+        loaded["train"], loaded["valid"] = train, None
+        if args.split is not None:
+            loaded["train"], loaded["valid"] = split_loaded(train, args.split)
+            _log(f"> --split {args.split}: {len(loaded['train'][1])} training and "
+                 f"{len(loaded['valid'][1])} validation documents of --data-path")
+        elif args.valid_data_path:
+            loaded["valid"] = _documents(args, args.valid_data_path, "valid")
+        _derive_teacher_length(args, loaded["train"][1], aligner)
+        valid = loaded["valid"]
+        return {"train": train[2], "valid": None if args.split or valid is None else valid[2],
+                "teacher_seq_length": args.teacher_seq_length}
+
+    meta = _on_rank0(read)
+    args.teacher_seq_length = meta["teacher_seq_length"]
+    check_sequence_length(args, "teacher", args.teacher_seq_length)
+    sources = parse_data_path(args.data_path)
+    counts = meta["train"]
+    if args.split is not None:
+        parts = [split_ranges(args.split, c) for c in counts]
+        train = DocumentNumbering(sources, [p[0] or (0, 0) for p in parts])
+        valid = DocumentNumbering(sources, [p[1] or (0, 0) for p in parts])
+    else:
+        train = DocumentNumbering.whole(sources, counts)
+        valid = None if meta["valid"] is None else DocumentNumbering.whole(
+            parse_data_path(args.valid_data_path, "--valid-data-path"), meta["valid"])
+    return loaded, train, valid
+
+
+def _plan(args, numbering, aligner, num_samples: int, what: str, loaded=None):
+    """Packing plan of the documents of ``numbering``: rank 0 builds it from ``loaded`` (its
+    documents, read whole) or finds it in the cache, and writes it; the others read it."""
     from megatron_xdistill.data.packing import build_plan, load_plan, plan_key, save_plan
 
-    sources, documents, counts = loaded or _documents(args, paths, what)
+    sources = numbering.sources
     key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
                    args.seq_length, args.teacher_seq_length, args.seed, num_samples,
                    _data_tokenizer(args, sources), args.split)
@@ -101,6 +165,7 @@ def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
     if dist.get_rank() == 0:
         plan = load_plan(path, key)
         if plan is None:
+            _, documents, counts = loaded
             _log(f"> packing {what} data ({len(documents)} documents) into {num_samples} samples")
             plan = build_plan(documents, sources, counts, aligner, args.seq_length,
                               args.teacher_seq_length, args.seed, num_samples, key=key, log=_log)
@@ -110,7 +175,18 @@ def _plan(args, paths, aligner, num_samples: int, what: str, loaded=None):
     if plan is None:
         raise RuntimeError(f"rank {dist.get_rank()}: packing plan {path} missing after rank 0 wrote it "
                            f"(is {cache} on a shared file system?)")
-    return documents, plan
+    return plan
+
+
+def _share(args, numbering, plan, samples):
+    """This rank's documents: those the plan cuts ``samples`` from (see document_share)."""
+    from megatron_xdistill.data.document_share import DocumentShare, documents_of_samples
+
+    sources = numbering.sources
+    share = DocumentShare.read(numbering, documents_of_samples(plan, samples), args.text_field,
+                               _data_tokenizer(args, sources))
+    _log(f"> rank 0 holds {len(share)} of {share.total} documents")
+    return share
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -161,6 +237,7 @@ def _resume_source(args) -> str | None:
 def _train(args, started: float) -> int:
     from megatron_xdistill.align import TokenAligner, load_tokenizer
     from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
+    from megatron_xdistill.data.document_share import step_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
     from megatron_xdistill.parallel.sample_owners import student_samples
     from megatron_xdistill.training.distiller import Distiller
@@ -176,15 +253,7 @@ def _train(args, started: float) -> int:
     aligner = TokenAligner(load_tokenizer(args.tokenizer_model),
                            load_tokenizer(args.teacher_tokenizer_model))
     _check_vocabularies(args, aligner)
-    train_docs = _documents(args, args.data_path, "train")
-    valid_docs = None  # --split: the validation part of --data-path
-    if args.split is not None:
-        from megatron_xdistill.data.split import split_loaded
-
-        train_docs, valid_docs = split_loaded(train_docs, args.split)
-        _log(f"> --split {args.split}: {len(train_docs[1])} training and {len(valid_docs[1])} "
-             f"validation documents of --data-path")
-    _derive_teacher_length(args, train_docs[1], aligner)
+    loaded, train_numbering, valid_numbering = _corpus(args, aligner)
     resume_from = None if args.teacher_cache_only else _resume_source(args)
     cache = None
     num_samples = args.train_iters * args.global_batch_size
@@ -197,36 +266,44 @@ def _train(args, started: float) -> int:
         iteration = distiller.resume(resume_from)["iteration"]
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
-    documents, plan = _plan(args, args.data_path, aligner, num_samples, "train", train_docs)
+    plan = _plan(args, train_numbering, aligner, num_samples, "train", loaded.get("train"))
     if cache is not None:  # rank 0 starts a new cache's manifest; writer / reader per rank
         cache.attach(distiller.teacher.info.to_dict(), num_samples, distiller.kd.payload_numel,
                      rank, writer=distiller.teacher.writes_payloads,
                      reader=distiller.has_student and distiller.student_groups.is_last_stage,
                      barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20,
                      commit_seconds=args.teacher_cache_commit_seconds)
+    # A disaggregated rank loads only the samples of the model it serves.
+    s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
+    t_dp = distiller.teacher_groups.coords["dp"] if distiller.teacher.runs else None
+    sampler = StepSampler(len(plan), iteration, args.global_batch_size, args.micro_batch_size,
+                          s_dp, distiller.student_layout, t_dp, distiller.teacher_layout)
+    if args.teacher_cache_only:  # the teacher-only pass reads every sample
+        samples = np.arange(len(plan))
+    else:
+        samples = step_samples(sampler.local, iteration, args.train_iters,
+                               args.global_batch_size, len(plan))
+    documents = _share(args, train_numbering, plan, samples)
     dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
                                   args.teacher_seq_length)
     if args.teacher_cache_only:
         return fill_teacher_cache(args, distiller, cache, dataset, _log)
-    # A disaggregated rank loads only the samples of the model it serves.
-    s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
-    t_dp = distiller.teacher_groups.coords["dp"] if distiller.teacher.runs else None
-    sampler = StepSampler(len(dataset), iteration, args.global_batch_size, args.micro_batch_size,
-                          s_dp, distiller.student_layout, t_dp, distiller.teacher_layout)
     steps = StepBatches(dataset, sampler, args.num_workers)
 
     eval_batches = None
-    if args.valid_data_path or valid_docs is not None:
+    if valid_numbering is not None:
         n_eval = args.eval_iters * args.global_batch_size  # Megatron-LM: global batches
-        v_docs, v_plan = _plan(args, args.valid_data_path, aligner, n_eval, "valid", valid_docs)
-        v_set = DistillationDataset(v_docs, v_plan, aligner, args.seq_length,
-                                    args.teacher_seq_length)
+        v_plan = _plan(args, valid_numbering, aligner, n_eval, "valid", loaded.get("valid"))
+        mine = []
         if distiller.has_student:  # evaluation runs on the student ranks only
-            mbs = args.micro_batch_size
-            mine = student_samples(min(n_eval, len(v_set)), mbs, distiller.student_layout.dp,
-                                   s_dp)
-            eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
-                            for k in range(0, len(mine), mbs)]
+            mine = student_samples(min(n_eval, len(v_plan)), args.micro_batch_size,
+                                   distiller.student_layout.dp, s_dp)
+        v_set = DistillationDataset(_share(args, valid_numbering, v_plan, mine), v_plan,
+                                    aligner, args.seq_length, args.teacher_seq_length)
+        mbs = args.micro_batch_size
+        eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
+                        for k in range(0, len(mine), mbs)] if distiller.has_student else None
+    loaded.clear()  # rank 0's whole corpus: planned, no longer needed
 
     wandb = None if args.wandb_project is None else {
         "project": args.wandb_project, "name": args.wandb_exp_name, "dir": args.wandb_save_dir,
