@@ -92,3 +92,30 @@ def test_sorted_top_equals_topk_with_its_gradient(n):
         torch.testing.assert_close(sorted_top(x, n), x.topk(n, dim=1).values)
     finite = torch.isfinite(x)  # tied -inf pads may be taken in any order (exp(-inf) = 0 in gold)
     torch.testing.assert_close(mine.grad[finite], ref.grad[finite])
+
+
+@pytest.mark.parametrize("block_tokens", [1, 3, 7, 50, 10_000])
+def test_blocks_end_where_chunks_end_and_hold_their_rows_whole(block_tokens):
+    """Blocks cover the positions in order, each at least ``block_tokens`` long (but the
+    last), ending where a chunk's run of positions ends; each holds its rows whole."""
+    from megatron_xdistill.loss.chunk_rows import build_chunk_rows
+
+    gen = torch.Generator().manual_seed(block_tokens)
+    steps = torch.randint(0, 3, (2, 60), generator=gen)  # chunk ids: runs of 1+ positions
+    ids = torch.cumsum(steps, 1) // 2
+    dropped = torch.rand(int(ids.max()) + 1, generator=gen) < 0.2  # chunks no position predicts
+    ids[dropped[ids]] = -1
+    ids[1, 50:] = -1  # padding
+    rows = build_chunk_rows(ids, int(ids.max()) + 1, None, None, block_tokens)
+    pos_row = rows.pos_row
+    start, row = 0, 0
+    for blk in rows.blocks:
+        assert blk.start == start and blk.row_start == row
+        assert blk.end - blk.start >= block_tokens or blk.end == 120
+        if blk.end < 120:  # not inside a run of one chunk's positions
+            assert pos_row[blk.end] < 0 or pos_row[blk.end] != pos_row[blk.end - 1]
+        held = pos_row[blk.start: blk.end]
+        held = held[held >= 0]
+        assert held.unique().tolist() == list(range(blk.row_start, blk.row_end))
+        start, row = blk.end, blk.row_end
+    assert start == 120 and row == rows.num_rows

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
 from .collectives import Group, all_gather, group_rank
@@ -140,22 +141,19 @@ def _block_relative(pos_row: torch.Tensor, blocks: list[Block]
 
 def _cut_blocks(key: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor,
                 block_tokens: int) -> list[Block]:
+    """Blocks of about ``block_tokens`` positions that end where a chunk's run of positions
+    ends (searches over the run ends: the cost grows with the blocks, not the chunks)."""
     n = key.numel()
-    same = valid[1:] & valid[:-1] & (key[1:] == key[:-1])
-    cuts = [0, *(torch.nonzero(~same, as_tuple=True)[0] + 1).tolist(), n]
-    row_first = (torch.cumsum(counts, 0) - counts).tolist()
-    first_pos = torch.nonzero(valid, as_tuple=True)[0]
-    row_pos = first_pos[torch.tensor(row_first, dtype=torch.int64)].tolist() if row_first else []
-    blocks, start, cut_i, row = [], 0, 0, 0
+    same = (valid[1:] & valid[:-1] & (key[1:] == key[:-1])).numpy()
+    cuts = np.concatenate([[0], np.nonzero(~same)[0] + 1, [n]])  # strictly increasing
+    counts = counts.numpy()
+    first_pos = np.nonzero(valid.numpy())[0]
+    row_pos = first_pos[np.cumsum(counts) - counts] if len(counts) else first_pos[:0]
+    blocks, start, row = [], 0, 0
     step = max(int(block_tokens), 1)
     while start < n:
-        target = start + step
-        while cuts[cut_i] < min(target, n):
-            cut_i += 1
-        end = cuts[cut_i]
-        row_end = row
-        while row_end < len(row_pos) and row_pos[row_end] < end:
-            row_end += 1
+        end = int(cuts[np.searchsorted(cuts, min(start + step, n))])
+        row_end = int(np.searchsorted(row_pos, end))
         blocks.append(Block(start, end, row, row_end))
         start, row = end, row_end
     return blocks

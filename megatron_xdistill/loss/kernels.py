@@ -112,6 +112,15 @@ class TailRowSums:
         self.excess = rowsum - const  # [V_real] r - c: the fused forward's mass, c + p.(r - c)
         self.sparse = self.cols.numel() * 8 <= rowsum.numel()
 
+    @classmethod
+    def of(cls, shard: ProjectionShard, num_real: int) -> TailRowSums:
+        """The row sums of ``shard``'s first ``num_real`` rows, kept on the shard (a run's
+        shard lives as long as the run; finding the exceptions waits on the device)."""
+        cache = shard.__dict__.setdefault("_tail_row_sums", {})
+        if num_real not in cache:
+            cache[num_real] = cls(shard.rowsum[:num_real].contiguous())
+        return cache[num_real]
+
     def to(self, dtype: torch.dtype) -> TailRowSums:
         """These row sums in ``dtype`` (the loss's compute dtype)."""
         return self if self.dense.dtype == dtype else TailRowSums(self.dense.to(dtype))
@@ -148,7 +157,7 @@ class ColumnsKernel:
         self.tail = payload.spec.form == "chunk_topk"
         self.k = payload.spec.width
         self.rows = rows
-        self.row_sums = TailRowSums(shard.rowsum[:num_real].contiguous()) if self.tail else None
+        self.row_sums = TailRowSums.of(shard, num_real) if self.tail else None
         self._blocks: list[BlockSlice] | None = None
 
     def _columns(self, keys: torch.Tensor) -> torch.Tensor:
