@@ -41,7 +41,7 @@ def test_defaults_are_derived(base):
     (["--teacher-seq-length", "16"], 1, r"--teacher-seq-length 16 is too short"),
     (["--context-parallel-size", "2", "--seq-length", "66"], 2, r"divisible by 2 x context"),
     (["--save-interval", "5"], 1, r"--save-interval needs --save"),
-    (["--kd-weight", "0"], 1, r"nothing to train"),
+    (["--kd-weight", "0", "--ce-weight", "0"], 1, r"nothing to train"),
     (["--lr-warmup-iters", "3"], 1, r"--lr-warmup-iters 3 must be >= 0 and smaller than"),
     (["--sequence-parallel"], 1, r"--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (["--teacher-tensor-model-parallel-size", "4", "--teacher-sequence-parallel",
