@@ -98,7 +98,8 @@ def test_teacher_only_pass_interrupted_and_resumed(e2e_setup, e2e_pool, online_c
 @pytest.mark.parametrize("change,field", [
     (["--kd-temperature", "2.0"], "payload.temperature: cache 1.0, this run 2.0"),
     (["--teacher-seq-length", "48"], "data.teacher_seq_length: cache 40, this run 48"),
-    (["--bf16"], "teacher.precision: cache 'fp32', this run 'bf16'"),
+    pytest.param(["--bf16"], "teacher.precision: cache 'fp32', this run 'bf16'",
+                 marks=pytest.mark.slow),  # 31 s; for the suite's 30-minute budget
 ])
 def test_a_differently_configured_run_is_refused(e2e_setup, e2e_pool, online_cache, change,
                                                 field):

@@ -335,7 +335,6 @@ class _Plan:
                 g_all[k][local] = g_local[k]
                 if g_split is not None and split.numel():
                     g_all[k][split] = g_split[k][rows.split_slot[split]]
-        inv_t = 1.0 / self.temp
         # Per position, for all blocks at once: CE's weight g_ce * has_label, folded into the
         # KD gradient's coefficient when CE shares the softmax (T = 1), and the -weight that
         # CE puts on the label's column (0 where the label is on another shard).
@@ -359,38 +358,52 @@ class _Plan:
             direct = out.is_contiguous() and (self.fused or out.dtype == self.dtype)
             dx = out if direct else self._workspace(n, out, "dx")
             coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
-            lz_local = self.lz_local[blk.start: blk.end]
+            args = (dx, logits2d, blk, index, coef, (g_all, g_split, g_kd), ce_scale, ce_label)
             if self.fused:
-                z = logits2d[blk.start: blk.end, : self.num_real]
-                writer = self._writer(dx, z, blk.start, blk.end, ce_scale)
-                if has_rows:
-                    data = self._block(z, None, lz_local, blk, index)
-                    g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
-                    kernel.backward_fused(data, g_blk, inv_t, coef, writer)
-                else:
-                    writer.dense(coef * self._factor(lz_local, blk.start, blk.end))
-                if self.labels is not None and dx.shape[1]:  # CE's -weight on the label
-                    lin = (torch.arange(n, device=dev) * dx.shape[1]
-                           + self.label_col[blk.start: blk.end, 0])
-                    writer.add(lin, ce_label[blk.start: blk.end, 0])
-                writer.finish()
+                self._block_backward_fused(*args)
             else:
-                x = self._x(logits2d, blk.start, blk.end)
-                torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
-                if has_rows:
-                    data = self._block(x, dx, lz_local, blk, index)
-                    g_blk = self._block_grad(data, g_all, g_split, g_kd, blk)
-                    kernel.backward_block(data, g_blk, inv_t, coef, dx)
-                else:
-                    dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
-                if self._ce_extra:
-                    self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
-                if self.labels is not None and dx.shape[1]:  # CE's -weight on the label
-                    dx.scatter_add_(1, self.label_col[blk.start: blk.end],
-                                    ce_label[blk.start: blk.end])
+                self._block_backward(*args)
             if not direct:
                 out.copy_(dx)
         return grad_full
+
+    def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label
+                        ) -> None:
+        """A block's gradient into ``dx`` (contiguous, compute dtype): its softmax, then the
+        kernel's and CE's terms in place."""
+        lz_local = self.lz_local[blk.start: blk.end]
+        x = self._x(logits2d, blk.start, blk.end)
+        torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
+        if blk.row_end > blk.row_start:
+            data = self._block(x, dx, lz_local, blk, index)
+            self.kernel.backward_block(data, self._block_grad(data, *grads, blk),
+                                       1.0 / self.temp, coef, dx)
+        else:
+            dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
+        if self._ce_extra:
+            self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
+        if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
+            dx.scatter_add_(1, self.label_col[blk.start: blk.end], ce_label[blk.start: blk.end])
+
+    def _block_backward_fused(self, dx, logits2d, blk, index: int, coef, grads, ce_scale,
+                              ce_label) -> None:
+        """The same gradient into ``dx`` (contiguous, any dtype) in one fused dense pass over
+        the block's logits plus sparse corrections (:class:`FusedGradWriter`)."""
+        start, end = blk.start, blk.end
+        lz_local = self.lz_local[start:end]
+        z = logits2d[start:end, : self.num_real]
+        writer = self._writer(dx, z, start, end, ce_scale)
+        if blk.row_end > blk.row_start:
+            data = self._block(z, None, lz_local, blk, index)
+            self.kernel.backward_fused(data, self._block_grad(data, *grads, blk),
+                                       1.0 / self.temp, coef, writer)
+        else:
+            writer.dense(coef * self._factor(lz_local, start, end))
+        if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
+            lin = (torch.arange(end - start, device=dx.device) * dx.shape[1]
+                   + self.label_col[start:end, 0])
+            writer.add(lin, ce_label[start:end, 0])
+        writer.finish()
 
     def _ce_weight(self, scale: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """CE's weight on the T = 1 softmax of this shard (CE at T != 1)."""
