@@ -303,3 +303,45 @@ def test_args_that_cannot_be_read_name_the_checkpoint(pool, tmp_path):
     (message,) = pool.run(_unreadable_args, str(tmp_path / "foreign"))
     assert "foreign/release" in message and "cannot be read here" in message, message
     assert "module_of_another_megatron" in message
+
+
+def _rng_state_as_megatron_lm_loads_it(root: str) -> dict:
+    """Rank 0 of 1: a training checkpoint saved by this trainer, its ``rng_state`` requested the
+    way Megatron-LM's loader requests it (one ShardedObject per (PP, TP) coordinate)."""
+    import random
+
+    import numpy as np
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_xdistill.models import build_gpt_model, model_info_from_hf, transformer_config
+    from megatron_xdistill.testing.tiny_gpt import init_model_parallel
+    from megatron_xdistill.testing.tiny_models import tiny_config
+    from megatron_xdistill.training.checkpointing import save_checkpoint
+
+    init_model_parallel(1, 1, seed=5)
+    info = model_info_from_hf(tiny_config("smollm2", vocab_size=1000))
+    model = build_gpt_model(info, transformer_config(info))
+    torch.manual_seed(123)
+    random.seed(7)
+    np.random.seed(9)
+    expected = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1])
+    path = save_checkpoint(root, 3, model, None, None,
+                           parallel_state.get_data_parallel_group(with_context_parallel=True),
+                           {"consumed_samples": 24})
+    template = {"rng_state": ShardedObject("rng_state", None, (1, 1), (0, 0), replica_id=0)}
+    loaded = dist_checkpointing.load(template, path)["rng_state"]
+    state = loaded[0]
+    return {"keys": sorted(state), "list": isinstance(loaded, list) and len(loaded) == 1,
+            "torch": torch.equal(state["torch_rng_state"], expected[0]),
+            "python": state["random_rng_state"] == expected[1],
+            "numpy": bool(np.array_equal(state["np_rng_state"][1], expected[2]))}
+
+
+def test_training_checkpoints_hold_the_rng_where_megatron_lm_reads_it(pool, tmp_path):
+    """Megatron-LM's --load restores ``rng_state`` from a torch_dist checkpoint: ours holds it
+    under that key and layout, with Megatron-LM's names (no CUDA state on a CPU run)."""
+    got = pool.run(_rng_state_as_megatron_lm_loads_it, str(tmp_path / "run"))[0]
+    assert got == {"keys": ["np_rng_state", "random_rng_state", "rng_tracker_states",
+                            "torch_rng_state"], "list": True, "torch": True, "python": True,
+                   "numpy": True}

@@ -8,8 +8,9 @@ stays the latest.
 
 The common state also carries what Megatron-LM's loader reads: ``args`` (Megatron-LM's names for
 the student's architecture and layout, ``models.megatron_lm.megatron_lm_args``),
-``checkpoint_version``, ``iteration`` and the LR schedule as ``opt_param_scheduler``, so a
-distilled student continues in Megatron-LM or Megatron-Bridge without conversion.
+``checkpoint_version``, ``iteration``, the LR schedule as ``opt_param_scheduler`` and the RNG as
+``rng_state`` (Megatron-LM's sharded layout), so a distilled student continues in Megatron-LM or
+Megatron-Bridge without conversion. This trainer resumes its RNG from per-rank files beside them.
 
 With a disaggregated teacher only the student ranks hold checkpointed state. Saving is still
 collective over the whole world (dist_checkpointing's save is), so teacher ranks join it with
@@ -67,6 +68,27 @@ def _rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def megatron_lm_rng_state(model, dp_cp_group) -> object:
+    """This rank's RNG as Megatron-LM's torch_dist checkpoints hold it: ``rng_state``, one list
+    (of this rank's state dict) per (PP, TP) coordinate, replicated over DP x CP, with
+    Megatron-LM's key names, so its ``--load`` restores it. A CPU run has no CUDA state to
+    write: Megatron-LM then needs ``--no-load-rng``."""
+    import random
+
+    import numpy as np
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    tp, pp = model.pg_collection.tp, model.pg_collection.pp
+    return ShardedObject("rng_state", [state], (pp.size(), tp.size()), (pp.rank(), tp.rank()),
+                         replica_id=dist.get_rank(dp_cp_group))
 
 
 def _set_rng_state(state: dict) -> None:
@@ -128,6 +150,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
                                                                   metadata=OPTIMIZER_METADATA)
             if scheduler is not None:  # Megatron-LM's key
                 state["opt_param_scheduler"] = scheduler.state_dict()
+            state["rng_state"] = megatron_lm_rng_state(model, dp_cp_group)
         dist_checkpointing.save(
             state, tmp, preprocess_common_before_consistancy_check=_shared_common
             if partial_world else None)
