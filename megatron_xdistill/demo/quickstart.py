@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         "teacher-seq-length": args.seq_length + args.seq_length // 4,
         "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
         "train-iters": args.train_iters, "lr": "3e-5", "lr-warmup-iters": 2,
-        "kd-loss": "pkl", "kd-topk": 64, "kd-weight": "1.0", "ce-weight": "0.1",
+        "kd-loss": "pkl", "kd-topk": 64, "kd-weight": "1.0", "ce-weight": "1.0",
         "eval-interval": args.train_iters, "eval-iters": 4,
         "log-interval": 1, "metrics-file": metrics, "num-workers": 1,
         "data-cache-path": work / "data_cache", "save": run_dir / "ckpt"})
