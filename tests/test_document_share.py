@@ -34,6 +34,8 @@ def _corpus(tmp_path: Path) -> dict[str, list[str]]:
         lines.append(json.dumps({"id": i, "text": t}))
         if i % 4 == 0:
             lines.append("   ")  # blank lines are not documents
+        if i % 6 == 1:
+            lines.append("\u00a0\u3000")  # nor lines of Unicode white space
     (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
     with_null = texts[:7] + [None] + texts[8:]
     pq.write_table(pa.table({"id": list(range(23)), "text": with_null}),

@@ -90,8 +90,9 @@ def _check_text(value: object, where: str, field: str) -> str:
     return value
 
 
-def _read_jsonl(path: str, field: str) -> list[str]:
-    docs = []
+def _jsonl_documents(path: str):
+    """(line number, line) of each document of a JSON Lines file, in order: its non-blank
+    lines (the one rule that numbers documents, for whole and partial reads alike)."""
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -101,19 +102,41 @@ def _read_jsonl(path: str, field: str) -> list[str]:
                     f"{path}:{lineno}: not UTF-8 ({exc.reason} at byte {exc.start} of the "
                     f"line, {raw[max(exc.start - 8, 0): exc.start + 8]!r}); JSON Lines files "
                     f"must be UTF-8: re-encode the file") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or field not in record:
-                raise ValueError(
-                    f"{path}:{lineno}: no field {field!r} (use --text-field to name the field "
-                    f"that holds the text)"
-                )
-            docs.append(_check_text(record[field], f"{path}:{lineno}", field))
-    return docs
+            if line.strip():
+                yield lineno, line
+
+
+def _jsonl_text(line: str, where: str, field: str) -> str:
+    """The text of one JSON Lines record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or field not in record:
+        raise ValueError(
+            f"{where}: no field {field!r} (use --text-field to name the field that holds the "
+            f"text)"
+        )
+    return _check_text(record[field], where, field)
+
+
+def _read_jsonl(path: str, field: str) -> list[str]:
+    return [_jsonl_text(line, f"{path}:{lineno}", field)
+            for lineno, line in _jsonl_documents(path)]
+
+
+def _check_column(path: str, field: str, names: Sequence[str]) -> None:
+    if field not in names:
+        raise ValueError(f"{path}: no column {field!r} (columns: {list(names)}); use --text-field")
+
+
+def _texts(path: str, field: str, column) -> list[str]:
+    """The strings of an Arrow text column (a null is an empty document)."""
+    import pyarrow as pa
+
+    if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
+        raise ValueError(f"{path}: column {field!r} must hold strings, got {column.type}")
+    return [value if value is not None else "" for value in column.to_pylist()]
 
 
 def _read_table(path: str, field: str, kind: str) -> list[str]:
@@ -122,9 +145,7 @@ def _read_table(path: str, field: str, kind: str) -> list[str]:
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        names = pq.read_schema(path).names
-        if field not in names:
-            raise ValueError(f"{path}: no column {field!r} (columns: {names}); use --text-field")
+        _check_column(path, field, pq.read_schema(path).names)
         table = pq.read_table(path, columns=[field])  # the text only: no other column is read
     else:
         import pyarrow.ipc as ipc
@@ -135,14 +156,8 @@ def _read_table(path: str, field: str, kind: str) -> list[str]:
             except pa.ArrowInvalid:
                 source.seek(0)
                 table = ipc.open_stream(source).read_all()  # Hugging Face datasets' .arrow
-    if field not in table.column_names:
-        raise ValueError(
-            f"{path}: no column {field!r} (columns: {table.column_names}); use --text-field"
-        )
-    column = table.column(field)
-    if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
-        raise ValueError(f"{path}: column {field!r} must hold strings, got {column.type}")
-    return [value if value is not None else "" for value in column.to_pylist()]
+    _check_column(path, field, table.column_names)
+    return _texts(path, field, table.column(field))
 
 
 def expand_path(item: str, flag: str = "--data-path") -> list[str]:
@@ -215,25 +230,13 @@ def read_documents_at(path: str, indices: Sequence[int], text_field: str = "text
 
 
 def _read_jsonl_at(path: str, field: str, want: list[int]) -> list[str]:
-    out, k, doc = [], 0, 0
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            if doc == want[k]:
-                try:
-                    record = json.loads(raw.decode("utf-8"))
-                    text = record[field]
-                except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
-                    raise ValueError(f"{path}:{lineno}: not a JSON record with a string field "
-                                     f"{field!r} (the file changed since it was planned?)"
-                                     ) from None
-                out.append(_check_text(text, f"{path}:{lineno}", field))
-                k += 1
-                if k == len(want):
-                    return out
-            doc += 1
-    raise IndexError(f"{path} holds {doc} documents, not {want[-1] + 1}")
+    out, count = [], 0
+    for count, (lineno, line) in enumerate(_jsonl_documents(path), 1):
+        if count - 1 == want[len(out)]:
+            out.append(_jsonl_text(line, f"{path}:{lineno}", field))
+            if len(out) == len(want):
+                return out
+    raise IndexError(f"{path} holds {count} documents, not {want[-1] + 1}")
 
 
 def _read_parquet_at(path: str, field: str, want: list[int]) -> list[str]:
@@ -241,9 +244,7 @@ def _read_parquet_at(path: str, field: str, want: list[int]) -> list[str]:
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise ValueError(f"{path}: no column {field!r} (columns: {pf.schema_arrow.names}); "
-                         f"use --text-field")
+    _check_column(path, field, pf.schema_arrow.names)
     sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
     starts = np.concatenate([[0], np.cumsum(sizes)])
     if want[-1] >= starts[-1]:
@@ -253,8 +254,8 @@ def _read_parquet_at(path: str, field: str, want: list[int]) -> list[str]:
     out: list[str] = []
     for g in np.unique(groups):
         rows = idx[groups == g] - starts[g]
-        column = pf.read_row_group(int(g), columns=[field]).column(field).take(rows)
-        out.extend(v if v is not None else "" for v in column.to_pylist())
+        out.extend(_texts(path, field,
+                          pf.read_row_group(int(g), columns=[field]).column(field).take(rows)))
     return out
 
 
