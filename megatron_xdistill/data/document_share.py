@@ -93,6 +93,11 @@ class DocumentShare(Mapping):
                 texts[doc] = text
         return cls(texts, len(numbering))
 
+    @classmethod
+    def take(cls, documents: Sequence[str], doc_ids: np.ndarray) -> DocumentShare:
+        """Documents ``doc_ids`` of a list already in memory (rank 0 after planning)."""
+        return cls({int(d): documents[int(d)] for d in doc_ids}, len(documents))
+
     def __getitem__(self, doc: int) -> str:
         try:
             return self._texts[int(doc)]

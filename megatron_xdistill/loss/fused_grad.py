@@ -64,7 +64,7 @@ class FusedGradWriter:
         """The dense pass's value at flat indices ``lin``, in fp32."""
         width = self.z.shape[1]
         pos = torch.div(lin, width, rounding_mode="floor")
-        z = self.z.reshape(-1).index_select(0, lin).float()
+        z = row_softmax.values_at(self.z, lin, pos)
         coef = self.a.float().index_select(0, pos)
         if self.c is not None:
             coef = coef + self.c.float().index_select(0, pos) * self.r.float().index_select(

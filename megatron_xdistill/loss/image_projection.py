@@ -124,7 +124,6 @@ class ImageProjection:
     crow: torch.Tensor     # [n + 1] int64 entry offsets of the n real local student rows
     col: torch.Tensor      # [E] int64 position in ``image``
     val: torch.Tensor      # [E] float32 weight
-    student: torch.Tensor  # [E] int64 local student row of each entry
     ccol: torch.Tensor     # [|I| + 1] int64 entry offsets per column of I (the CSC order below)
     csc_student: torch.Tensor  # [E] int64 student row of each entry, by column of I
     csc_val: torch.Tensor  # [E] float32 its weight
@@ -148,7 +147,7 @@ class ImageProjection:
         by_column = torch.argsort(col * max(num_real, 1) + student)
         ccol = torch.zeros(image.numel() + 1, dtype=torch.int64, device=teacher.device)
         ccol[1:] = torch.cumsum(torch.bincount(col, minlength=image.numel()), 0)
-        return cls(image, crow, col, value, student, ccol,
+        return cls(image, crow, col, value, ccol,
                    student.index_select(0, by_column), value.index_select(0, by_column))
 
     @classmethod

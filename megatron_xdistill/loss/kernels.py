@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import row_softmax
 from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
@@ -60,11 +61,7 @@ class BlockData:
         compute dtype (a new tensor)."""
         if self.probs_local is not None:
             return self.probs_local.reshape(-1).index_select(0, lin)
-        n, width = self.x.shape
-        stride = self.x.stride(0) if n > 1 else width
-        flat = self.x.as_strided((max(0, (n - 1) * stride + width),), (1,))
-        idx = lin if stride == width else lin + pos * (stride - width)
-        v = flat.index_select(0, idx).to(self.logz.dtype)
+        v = row_softmax.values_at(self.x, lin, pos).to(self.logz.dtype)
         if self.scale != 1.0:
             v.mul_(self.scale)
         return v.sub_(self.lz_local.index_select(0, pos)).exp_()

@@ -101,4 +101,14 @@ def softmax_combine_(out: torch.Tensor, x: torch.Tensor, scale: float, lse: torc
     return out
 
 
-__all__ = ["FORCE", "enabled", "row_partition", "softmax_combine_"]
+def values_at(x: torch.Tensor, lin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``x`` [n, V] (rows may be strided) at flat [n, V] indices ``lin`` of rows ``pos``, in
+    fp32: where the fused passes' sparse terms read the logits."""
+    n, width = x.shape
+    stride = x.stride(0) if n > 1 else width
+    flat = x.as_strided((max(0, (n - 1) * stride + width),), (1,))
+    idx = lin if stride == width else lin + pos * (stride - width)
+    return flat.index_select(0, idx).float()
+
+
+__all__ = ["FORCE", "enabled", "row_partition", "softmax_combine_", "values_at"]

@@ -536,8 +536,8 @@ def parallel_kd_loss(
     else:
         options = KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
         vocab = VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
-        rows = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only, cp_group,
-                     max_block).to(dev)  # once: the kernel and the plan index with them
+        rows = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only,
+                              cp_group, max_block).to(dev)  # once: kernel and plan index with them
         kernel = build_kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
     plan = _Plan(rows=rows, kernel=kernel or NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,

@@ -75,17 +75,15 @@ def megatron_lm_rng_state(model, dp_cp_group) -> object:
     (of this rank's state dict) per (PP, TP) coordinate, replicated over DP x CP, with
     Megatron-LM's key names, so its ``--load`` restores it. A CPU run has no CUDA state to
     write: Megatron-LM then needs ``--no-load-rng``."""
-    import random
-
-    import numpy as np
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(),
+    ours = _rng_state()
+    state = {"random_rng_state": ours["python"], "np_rng_state": ours["numpy"],
+             "torch_rng_state": ours["torch"],
              "rng_tracker_states": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    if ours["cuda"] is not None:
+        state["cuda_rng_state"] = ours["cuda"]
     tp, pp = model.pg_collection.tp, model.pg_collection.pp
     return ShardedObject("rng_state", [state], (pp.size(), tp.size()), (pp.rank(), tp.rank()),
                          replica_id=dist.get_rank(dp_cp_group))

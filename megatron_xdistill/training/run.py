@@ -178,13 +178,17 @@ def _plan(args, numbering, aligner, num_samples: int, what: str, loaded=None):
     return plan
 
 
-def _share(args, numbering, plan, samples):
-    """This rank's documents: those the plan cuts ``samples`` from (see document_share)."""
+def _share(args, numbering, plan, samples, loaded=None):
+    """This rank's documents: those the plan cuts ``samples`` from (see document_share), read
+    from their files, or taken from ``loaded`` (rank 0's documents, read whole to plan)."""
     from megatron_xdistill.data.document_share import DocumentShare, documents_of_samples
 
-    sources = numbering.sources
-    share = DocumentShare.read(numbering, documents_of_samples(plan, samples), args.text_field,
-                               _data_tokenizer(args, sources))
+    ids = documents_of_samples(plan, samples)
+    if loaded is not None:
+        share = DocumentShare.take(loaded[1], ids)
+    else:
+        share = DocumentShare.read(numbering, ids, args.text_field,
+                                   _data_tokenizer(args, numbering.sources))
     _log(f"> rank 0 holds {len(share)} of {share.total} documents")
     return share
 
@@ -283,7 +287,7 @@ def _train(args, started: float) -> int:
     else:
         samples = step_samples(sampler.local, iteration, args.train_iters,
                                args.global_batch_size, len(plan))
-    documents = _share(args, train_numbering, plan, samples)
+    documents = _share(args, train_numbering, plan, samples, loaded.get("train"))
     dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
                                   args.teacher_seq_length)
     if args.teacher_cache_only:
@@ -298,8 +302,9 @@ def _train(args, started: float) -> int:
         if distiller.has_student:  # evaluation runs on the student ranks only
             mine = student_samples(min(n_eval, len(v_plan)), args.micro_batch_size,
                                    distiller.student_layout.dp, s_dp)
-        v_set = DistillationDataset(_share(args, valid_numbering, v_plan, mine), v_plan,
-                                    aligner, args.seq_length, args.teacher_seq_length)
+        v_share = _share(args, valid_numbering, v_plan, mine, loaded.get("valid"))
+        v_set = DistillationDataset(v_share, v_plan, aligner, args.seq_length,
+                                    args.teacher_seq_length)
         mbs = args.micro_batch_size
         eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
                         for k in range(0, len(mine), mbs)] if distiller.has_student else None
