@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from shared_assets import ASSETS
 from shared_assets import needs_shared_assets as needs_assets
+from test_data_teachers import item_arrays, one_teacher_digest
 
-from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
+from megatron_xdistill.data.dataset import DistillationDataset, collate_samples, teacher_view
 from megatron_xdistill.data.packing import (
     build_plan,
     document_order,
@@ -110,21 +111,22 @@ def test_step_sampler_gives_each_rank_its_samples_and_resumes():
 
 
 @pytest.fixture(scope="module")
-def aligner():
-    from megatron_xdistill.align import TokenAligner, load_tokenizer
+def tokenizers():
+    from megatron_xdistill.align import load_tokenizer
+    from megatron_xdistill.data.tokenizations import SampleTokenizers
 
-    return TokenAligner(load_tokenizer(ASSETS / "tokenizers" / "smollm2"),
-                        load_tokenizer(ASSETS / "tokenizers" / "gemma3"))
+    return SampleTokenizers(load_tokenizer(ASSETS / "tokenizers" / "smollm2"),
+                            [load_tokenizer(ASSETS / "tokenizers" / "gemma3")])
 
 
 @needs_assets
-def test_packed_samples_fit_and_cover_all_text(aligner, tmp_path):
+def test_packed_samples_fit_and_cover_all_text(tokenizers, tmp_path):
     docs = [json.loads(line)["text"][:3000]
             for line in (ASSETS / "corpora" / "enwiki_val.jsonl").read_text().splitlines()[:4]]
     path = _docs_jsonl(tmp_path, docs)
     sources = parse_data_path([path])
     documents, counts = load_documents(sources, "text")
-    plan = build_plan(documents, sources, counts, aligner, 64, 48, seed=0, num_samples=150,
+    plan = build_plan(documents, sources, counts, tokenizers, 64, [48], seed=0, num_samples=150,
                       log=lambda m: None)
     assert len(plan) == 150
     # Pieces tile each document in order, documents follow the seeded order, pass after pass.
@@ -143,10 +145,14 @@ def test_packed_samples_fit_and_cover_all_text(aligner, tmp_path):
     assert seen_docs == expected_docs[: len(seen_docs)].tolist()
     assert len(seen_docs) > len(documents)  # more than one pass was needed
 
-    ds = DistillationDataset(documents, plan, aligner, 64, 48)
-    s_tok, t_tok = aligner.student_tokenizer, aligner.teacher_tokenizer
+    ds = DistillationDataset(documents, plan, tokenizers, 64, [48])
+    # The one-teacher code's plan and first samples, pinned (digests taken from it at 089ec65).
+    assert one_teacher_digest([plan.pieces, plan.sample_offsets]) == "45625509287cb8b4"
+    assert one_teacher_digest([a for i in range(12)
+                               for a in item_arrays(teacher_view(ds[i], 0))]) == "2cad3592dc90ee47"
+    s_tok, t_tok = tokenizers.student_tokenizer, tokenizers.teacher_tokenizers[0]
     for i in range(min(len(ds), 12)):
-        item = ds[i]
+        item = teacher_view(ds[i], 0)
         assert item["student_length"] <= 65 and item["teacher_length"] <= 49
         text = "".join(documents[d][c0:c1] for d, c0, c1, _, _ in plan.sample_pieces(i).tolist())
         s_text = s_tok.decode(item["tokens"][: item["student_length"]], skip_special_tokens=True)
@@ -158,7 +164,7 @@ def test_packed_samples_fit_and_cover_all_text(aligner, tmp_path):
         exact = item["chunks"][item["chunks"][:, 4] == 1]
         for a, b, p, q, _ in exact[:10].tolist():
             assert s_tok.decode(item["tokens"][a:b]) == t_tok.decode(item["teacher_tokens"][p:q])
-    batch = collate_samples([ds[0], ds[1]])
+    batch = teacher_view(collate_samples([ds[0], ds[1]]), 0)
     assert batch["tokens"].shape == (2, 65) and batch["teacher_tokens"].shape == (2, 49)
     assert batch["student_chunk_id"].shape == (2, 65) and batch["chunk_valid"].shape == (2, 65)
     assert int(batch["num_bytes"][0]) > 0

@@ -38,18 +38,19 @@ def _one_step_argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[
 
 def _first_global_batch(root: Path, s_tok: Path, t_tok: Path) -> dict[str, torch.Tensor]:
     """The samples of step 1 (plan indices 0..GBS-1), packed as the run packs them."""
-    from megatron_xdistill.align import TokenAligner, load_tokenizer
-    from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
+    from megatron_xdistill.align import load_tokenizer
+    from megatron_xdistill.data.dataset import DistillationDataset, collate_samples, teacher_view
     from megatron_xdistill.data.packing import build_plan, load_documents
     from megatron_xdistill.data.sources import parse_data_path
+    from megatron_xdistill.data.tokenizations import SampleTokenizers
 
-    aligner = TokenAligner(load_tokenizer(str(s_tok)), load_tokenizer(str(t_tok)))
+    tokenizers = SampleTokenizers(load_tokenizer(str(s_tok)), [load_tokenizer(str(t_tok))])
     sources = parse_data_path([str(root / "train.jsonl")])
     documents, counts = load_documents(sources, "text")
-    plan = build_plan(documents, sources, counts, aligner, SEQ, TEACHER_SEQ, SEED, GBS,
+    plan = build_plan(documents, sources, counts, tokenizers, SEQ, [TEACHER_SEQ], SEED, GBS,
                       log=lambda _: None)
-    dataset = DistillationDataset(documents, plan, aligner, SEQ, TEACHER_SEQ)
-    return collate_samples([dataset[i] for i in range(GBS)])
+    dataset = DistillationDataset(documents, plan, tokenizers, SEQ, [TEACHER_SEQ])
+    return teacher_view(collate_samples([dataset[i] for i in range(GBS)]), 0)
 
 
 def _hf(path: Path):

@@ -15,7 +15,7 @@ from .dp_aligner import align_sides, check_dp_options
 from .offset_aligner import align_offsets
 from .sides import Side, make_side
 
-__all__ = ["TokenAligner", "align_ids", "align_text", "align_texts", "load_tokenizer"]
+__all__ = ["TokenAligner", "align_ids", "align_text", "align_texts", "check_texts", "load_tokenizer"]
 
 METHODS = ("offsets", "dp")
 
@@ -62,6 +62,11 @@ def _as_text(text: str | bytes, what: str = "text") -> str:
     return text
 
 
+def check_texts(texts: Sequence[str | bytes]) -> list[str]:
+    """Each text as valid Unicode (bytes decoded as UTF-8); a bad one fails naming its index."""
+    return [_as_text(t, f"text #{k}") for k, t in enumerate(texts)]
+
+
 class TokenAligner:
     """Student/teacher tokenizer pair with their canonical tables, ready to align.
 
@@ -106,10 +111,12 @@ class TokenAligner:
 
         All texts are checked before any work, so a bad one fails the call naming its index.
         """
-        clean = [_as_text(t, f"text #{k}") for k, t in enumerate(texts)]
-        return clean, self._encode(self.student_tokenizer, clean), self._encode(
-            self.teacher_tokenizer, clean
-        )
+        clean = check_texts(texts)
+        return clean, self._encode(self.student_tokenizer, clean), self.encode_teacher(clean)
+
+    def encode_teacher(self, texts: Sequence[str]) -> list:
+        """The teacher side of :meth:`encode_texts` alone, for texts already checked."""
+        return self._encode(self.teacher_tokenizer, list(texts))
 
     def align_encoded(self, texts: Sequence[str], student_enc: Sequence, teacher_enc: Sequence,
                       method: str = "offsets") -> list[Alignment]:

@@ -8,7 +8,7 @@ With a disaggregated teacher a rank serves one model only (the other DP rank is 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -21,7 +21,10 @@ class StepSampler(torch.utils.data.Sampler):
 
     def __init__(self, num_samples: int, start_step: int, global_batch_size: int,
                  micro_batch_size: int, student_dp_rank: int | None, student: ParallelLayout,
-                 teacher_dp_rank: int | None, teacher: ParallelLayout) -> None:
+                 teacher_dp_rank: int | None = None, teacher: ParallelLayout | None = None,
+                 more_teachers: Sequence[tuple[int | None, ParallelLayout]] = ()) -> None:
+        """``*_dp_rank``: this rank's data-parallel rank in that model's layout (None: it does
+        not serve that model). ``more_teachers``: (DP rank, layout) of further teachers."""
         self.num_samples = num_samples
         self.step = start_step
         self.gbs = global_batch_size
@@ -29,8 +32,9 @@ class StepSampler(torch.utils.data.Sampler):
         if student_dp_rank is not None:
             mine.update(student_samples(global_batch_size, micro_batch_size, student.dp,
                                         student_dp_rank))
-        if teacher_dp_rank is not None:
-            mine.update(teacher_block(global_batch_size, teacher.dp, teacher_dp_rank))
+        for dp_rank, layout in [(teacher_dp_rank, teacher), *more_teachers]:
+            if dp_rank is not None:
+                mine.update(teacher_block(global_batch_size, layout.dp, dp_rank))
         self.local = sorted(mine)
 
     def __iter__(self) -> Iterator[list[int]]:

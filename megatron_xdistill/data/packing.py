@@ -1,11 +1,12 @@
-"""Packing documents into samples in *text space*, so both tokenizations fit their lengths.
+"""Packing documents into samples in *text space*, so every tokenization fits its length.
 
 A sample is a list of text pieces (document id, character span). Pieces end only at aligned chunk
-boundaries (both tokenizers have a token boundary there), so the student's tokens and the
-teacher's tokens of a sample cover exactly the same text: a student sample of ``seq_length + 1``
-tokens (inputs + shifted labels) and a teacher sample of ``teacher_seq_length + 1`` tokens.
-Documents start with BOS where the tokenizer uses one and end with EOS; a document longer than a
-sample continues in the next one.
+boundaries (the student and every cross-tokenizer teacher have a token boundary there, aligned at
+the same student token), so the student's tokens and each teacher's tokens of a sample cover
+exactly the same text: a student sample of ``seq_length + 1`` tokens (inputs + shifted labels)
+and, per teacher, a sample of ``teacher_seq_lengths[k] + 1`` tokens. A teacher with the student's
+tokenizer has the student's tokens and adds no constraint. Documents start with BOS where the
+tokenizer uses one and end with EOS; a document longer than a sample continues in the next one.
 
 The plan (which pieces form which sample) is built once from a seeded document order and cached;
 the DataLoader workers then tokenise and align only the text of the samples they serve.
@@ -14,17 +15,22 @@ the DataLoader workers then tokenise and align only the text of the samples they
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_xdistill.data.sources import DataSource, read_documents, source_fingerprint
 from megatron_xdistill.storage import atomic_file
+
+if TYPE_CHECKING:
+    from megatron_xdistill.data.tokenizations import SampleTokenizers
 
 PLAN_VERSION = 1
 
@@ -97,74 +103,100 @@ def document_order(sources: Sequence[DataSource], doc_counts: Sequence[int], see
     return merged[np.argsort(position, kind="stable")]
 
 
-def _boundaries(alignment, s_offsets: np.ndarray, t_offsets: np.ndarray, text_len: int):
-    """Cut points of one document: char position, student and teacher tokens before it."""
-    chunks = alignment.chunks_array
-    n, m = len(alignment.student_ids), len(alignment.teacher_ids)
-    chars, s_before, t_before = [0], [0], [0]
-    for a, _b, p, _q, _e in chunks[1:] if len(chunks) else []:
-        # Cut right after the previous tokens end (trimmed offsets leave spaces to the next piece).
-        ends = []
-        if a > 0:
-            ends.append(int(s_offsets[a - 1][1]))
-        if p > 0:
-            ends.append(int(t_offsets[p - 1][1]))
+def _common_starts(starts: Sequence[np.ndarray]) -> list[tuple[int, tuple[int, ...]]]:
+    """Candidate cuts of one document over K cross teachers: ``(a, (p_1, .., p_K))`` for each
+    student index ``a`` that starts a chunk (after the first) in every teacher's alignment, with
+    each teacher's chunk start there. A teacher with several chunks starting at ``a`` (an empty
+    student span) gives each combination, in chunk order; for K = 1 the list is the chunks'."""
+    if len(starts) == 1:
+        return [(a, (p,)) for a, p in starts[0].tolist()]
+    groups: list[dict[int, list[int]]] = []
+    for rows in starts:
+        group: dict[int, list[int]] = {}
+        for a, p in rows.tolist():
+            group.setdefault(a, []).append(p)
+        groups.append(group)
+    common = sorted(set(groups[0]).intersection(*groups[1:]))
+    return [(a, ps) for a in common for ps in itertools.product(*(g[a] for g in groups))]
+
+
+def _boundaries(s_offsets: np.ndarray, cross: Sequence[tuple[np.ndarray, np.ndarray]],
+                text_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut points of one document: char positions ``[n_cuts]`` and, per side (the student, then
+    each cross teacher), the tokens before each ``[n_cuts, 1 + K]``.
+
+    ``cross[k] = (chunks, teacher offsets)``. A cut sits where every cross teacher's alignment
+    starts a chunk at the same student token; its character is the earliest end of the tokens
+    just before it (trimmed offsets leave spaces to the next piece). With no cross teacher,
+    every student token boundary where the next token starts after the previous one ends is a cut.
+    """
+    s_offsets = np.asarray(s_offsets, dtype=np.int64).reshape(-1, 2)
+    t_offsets = [np.asarray(off, dtype=np.int64).reshape(-1, 2) for _, off in cross]
+    if cross:
+        candidates = _common_starts([chunks[1:, [0, 2]] for chunks, _ in cross])
+    else:
+        apart = np.flatnonzero(s_offsets[1:, 0] >= s_offsets[:-1, 1]) + 1
+        candidates = [(a, ()) for a in apart.tolist()]
+    chars, before = [0], [(0,) * (1 + len(cross))]
+    for a, ps in candidates:
+        ends = [int(s_offsets[a - 1][1])] if a > 0 else []
+        ends += [int(off[p - 1][1]) for p, off in zip(ps, t_offsets, strict=True) if p > 0]
         char = min(ends) if ends else 0
-        if char > chars[-1] and a >= s_before[-1] and p >= t_before[-1]:
+        row = (a, *ps)
+        if char > chars[-1] and all(x >= y for x, y in zip(row, before[-1], strict=True)):
             chars.append(char)
-            s_before.append(int(a))
-            t_before.append(int(p))
+            before.append(row)
     chars.append(text_len)
-    s_before.append(n)
-    t_before.append(m)
-    return np.asarray(chars), np.asarray(s_before), np.asarray(t_before)
+    before.append((len(s_offsets), *(len(off) for off in t_offsets)))
+    return np.asarray(chars, dtype=np.int64), np.asarray(before, dtype=np.int64)
 
 
 class _Packer:
-    """Greedy text-space packer over a stream of documents."""
+    """Greedy text-space packer over a stream of documents, for any number of sides (the
+    student, then each cross teacher), each with its token budget and control tokens."""
 
-    def __init__(self, student_budget: int, teacher_budget: int, s_special: SpecialTokens,
-                 t_special: SpecialTokens) -> None:
-        self.budget = (student_budget, teacher_budget)
-        self.special = (s_special, t_special)
+    def __init__(self, budgets: Sequence[int], specials: Sequence[SpecialTokens]) -> None:
+        self.budget = np.asarray(budgets, dtype=np.int64)
+        self.bos = np.asarray([sp.bos is not None for sp in specials], dtype=np.int64)
         self.pieces: list[tuple[int, int, int, int, int]] = []
         self.offsets = [0]
-        self.used = [0, 0]
+        self.used = np.zeros(len(budgets), np.int64)
 
     def _close(self) -> None:
         if len(self.pieces) > self.offsets[-1]:
             self.offsets.append(len(self.pieces))
-        self.used = [0, 0]
+        self.used = np.zeros_like(self.used)
 
-    def add_document(self, doc: int, chars: np.ndarray, s_before: np.ndarray,
-                     t_before: np.ndarray) -> None:
+    def _largest_fit(self, before: np.ndarray, k0: int) -> int:
+        """The last cut ``k > k0`` whose piece from cut ``k0`` fits every side's budget, or -1.
+        Tokens before a cut only grow with the cut, so the cuts that fit are a prefix."""
+        last = len(before) - 1
+        room = self.budget - self.used - self.bos * (k0 == 0) + before[k0]
+        if (before[last] + 1 <= room).all():  # the rest of the document, and its EOS
+            return last
+        fits = min(int(np.searchsorted(before[:last, side], room[side], side="right")) - 1
+                   for side in range(len(room)))
+        return fits if fits > k0 else -1
+
+    def add_document(self, doc: int, chars: np.ndarray, before: np.ndarray) -> None:
         k0, last = 0, len(chars) - 1
         while k0 < last:
-            starts_doc = k0 == 0
-            fits = -1
-            for k in range(last, k0, -1):  # largest cut that fits
-                ends_doc = k == last
-                need = []
-                for side, before in enumerate((s_before, t_before)):
-                    sp = self.special[side]
-                    extra = (starts_doc and sp.bos is not None) + ends_doc
-                    need.append(self.used[side] + before[k] - before[k0] + extra)
-                if need[0] <= self.budget[0] and need[1] <= self.budget[1]:
-                    fits = k
-                    self.pending_need = need
-                    break
+            fits = self._largest_fit(before, k0)
             if fits < 0:
-                if self.used == [0, 0]:
+                if not self.used.any():
                     # One aligned chunk longer than a whole sample: cut it anyway (the dataset
                     # truncates it at a token boundary); rare with real text and sane lengths.
                     fits = k0 + 1
-                    self.pending_need = list(self.budget)
+                    need = self.budget.copy()
                 else:
                     self._close()
                     continue
-            self.pieces.append((doc, int(chars[k0]), int(chars[fits]), int(starts_doc),
+            else:
+                need = (self.used + before[fits] - before[k0] + self.bos * (k0 == 0)
+                        + (fits == last))
+            self.pieces.append((doc, int(chars[k0]), int(chars[fits]), int(k0 == 0),
                                 int(fits == last)))
-            self.used = self.pending_need
+            self.used = need
             if fits < last:
                 self._close()
             k0 = fits
@@ -175,14 +207,30 @@ class _Packer:
         return pieces, np.asarray(self.offsets, dtype=np.int64)
 
 
+def _per_teacher(values: Sequence, what: str) -> list:
+    """``values`` as a list, refusing a bare string or number (one value per teacher)."""
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise TypeError(f"{what} must be a sequence with one entry per teacher, got {values!r}")
+    if not len(values):
+        raise ValueError(f"{what}: at least one teacher is needed")
+    return list(values)
+
+
 def plan_key(sources: Sequence[DataSource], text_field: str, student_name: str,
-             teacher_name: str, seq_length: int, teacher_seq_length: int, seed: int,
-             num_samples: int, data_tokenizer: str | None = None,
+             teacher_names: Sequence[str], seq_length: int, teacher_seq_lengths: Sequence[int],
+             seed: int, num_samples: int, data_tokenizer: str | None = None,
              split: str | None = None) -> str:
     """Cache key of a plan: inputs, tokenizers, lengths, seed and size (and, where they apply,
-    the tokenizer that decodes Megatron indexed datasets and the --split of the documents)."""
-    parts = [PLAN_VERSION, source_fingerprint(sources), text_field, student_name, teacher_name,
-             seq_length, teacher_seq_length, seed, num_samples]
+    the tokenizer that decodes Megatron indexed datasets and the --split of the documents).
+    One teacher gives the key of the one-teacher plans before (its name and length as scalars)."""
+    names = _per_teacher(teacher_names, "teacher_names")
+    lengths = [int(n) for n in _per_teacher(teacher_seq_lengths, "teacher_seq_lengths")]
+    if len(names) != len(lengths):
+        raise ValueError(f"{len(names)} teacher names for {len(lengths)} teacher lengths")
+    one = len(names) == 1
+    parts = [PLAN_VERSION, source_fingerprint(sources), text_field, student_name,
+             names[0] if one else names, seq_length, lengths[0] if one else lengths, seed,
+             num_samples]
     if data_tokenizer is not None:
         parts.append(data_tokenizer)
     if split is not None:
@@ -191,13 +239,31 @@ def plan_key(sources: Sequence[DataSource], text_field: str, student_name: str,
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
+def _document_cuts(tokenizers: SampleTokenizers, texts: list[str]) -> list[tuple]:
+    """:func:`_boundaries` of each text over the cross teachers of ``tokenizers``."""
+    clean, student, teachers = tokenizers.encode(texts)
+    alignments = tokenizers.align(clean, student, teachers)
+    cross = tokenizers.cross_teachers
+    out = []
+    for j, (text, (_ids, s_offsets)) in enumerate(zip(clean, student, strict=True)):
+        sides = [(alignments[k][j].chunks_array, teachers[k][j][1]) for k in cross]
+        out.append(_boundaries(s_offsets, sides, len(text)))
+    return out
+
+
 def build_plan(documents: Sequence[str], sources: Sequence[DataSource], doc_counts: Sequence[int],
-               aligner, seq_length: int, teacher_seq_length: int, seed: int, num_samples: int,
-               key: str = "", log=print, batch_docs: int = 64) -> PackingPlan:
-    """Pack documents (in seeded, weighted order, more passes as needed) into ``num_samples``."""
-    s_special = SpecialTokens.of(aligner.student_tokenizer)
-    t_special = SpecialTokens.of(aligner.teacher_tokenizer)
-    packer = _Packer(seq_length + 1, teacher_seq_length + 1, s_special, t_special)
+               tokenizers: SampleTokenizers, seq_length: int, teacher_seq_lengths: Sequence[int],
+               seed: int, num_samples: int, key: str = "", log=print,
+               batch_docs: int = 64) -> PackingPlan:
+    """Pack documents (in seeded, weighted order, more passes as needed) into ``num_samples``.
+
+    Budgets: the student's ``seq_length + 1`` tokens and each cross teacher's
+    ``teacher_seq_lengths[k] + 1``; a same-tokenizer teacher's tokens are the student's."""
+    lengths = tokenizers.check_lengths(seq_length, teacher_seq_lengths)
+    cross = tokenizers.cross_teachers
+    specials = [SpecialTokens.of(tokenizers.student_tokenizer)]
+    specials += [SpecialTokens.of(tokenizers.teacher_tokenizers[k]) for k in cross]
+    packer = _Packer([seq_length + 1] + [lengths[k] + 1 for k in cross], specials)
     boundaries: dict[int, tuple] = {}
     start, last_log, epoch = time.time(), time.time(), 0
     while len(packer.offsets) - 1 < num_samples:
@@ -208,10 +274,8 @@ def build_plan(documents: Sequence[str], sources: Sequence[DataSource], doc_coun
             ids = [int(d) for d in order[lo : lo + batch_docs]]
             todo = [d for d in dict.fromkeys(ids) if d not in boundaries and documents[d]]
             if todo:
-                texts, s_enc, t_enc = aligner.encode_texts([documents[d] for d in todo])
-                alignments = aligner.align_encoded(texts, s_enc, t_enc)
-                for d, text, al, se, te in zip(todo, texts, alignments, s_enc, t_enc):
-                    boundaries[d] = _boundaries(al, se[1], te[1], len(text))
+                cuts = _document_cuts(tokenizers, [documents[d] for d in todo])
+                boundaries.update(zip(todo, cuts, strict=True))
             for d in ids:
                 if documents[d]:
                     packer.add_document(d, *boundaries[d])

@@ -74,7 +74,7 @@ from .reference import kd_loss
 from .shard import ProjectionShard
 from .student import BLOCK_BYTES, KDTerms, parallel_kd_loss
 from .teacher import payload_spec, teacher_payload
-from .total import counted_chunks, global_sums, total_loss
+from .total import combined_loss, counted_chunks, global_sums, total_loss
 
 __all__ = [
     "BLOCK_BYTES",
@@ -84,6 +84,7 @@ __all__ = [
     "ProjectionShard",
     "TeacherPayload",
     "UNCOMMON_TOPK",
+    "combined_loss",
     "common_vocab_from_dense",
     "counted_chunks",
     "global_sums",

@@ -8,6 +8,8 @@ summed over the DP x CP ranks (TP and PP ranks hold the same chunks and are not 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .collectives import Group, all_reduce
@@ -58,31 +60,66 @@ def total_loss(
 
     Denominators default to this microbatch's counts summed over ``dp_cp_group``; pass the
     global batch's counts (:func:`counted_chunks`, label tokens) to normalise over many
-    microbatches. Dynamic scaling uses this microbatch's DP x CP means of KD and CE. If the
-    gradient reduction averages over DP x CP (Megatron's DDP), multiply the share by dp * cp.
-    Metrics are this microbatch's DP x CP means (kd, ce, top1_agree) and counts.
+    microbatches. Dynamic scaling uses this microbatch's DP x CP means of KD and CE (and no
+    weights). If the gradient reduction averages over DP x CP (Megatron's DDP), multiply the
+    share by dp * cp. Metrics are this microbatch's DP x CP means (kd, ce, top1_agree) and counts.
     """
-    sums = global_sums(terms, dp_cp_group)
-    n_kd = sums["kd_count"] if kd_denominator is None else torch.as_tensor(kd_denominator)
-    n_ce = sums["ce_count"] if ce_denominator is None else torch.as_tensor(ce_denominator)
-    n_kd = n_kd.double().clamp_min(1.0)
-    n_ce = n_ce.double().clamp_min(1.0)
-    kd = terms.kd_sum / n_kd.to(terms.kd_sum)
-    ce = terms.ce_sum / n_ce.to(terms.ce_sum)
-    kd_mean = sums["kd_sum"] / sums["kd_count"].clamp_min(1.0)
-    ce_mean = sums["ce_sum"] / sums["ce_count"].clamp_min(1.0)
+    loss, metrics = combined_loss(
+        [terms], kd_weights=[1.0 if dynamic_scaling else kd_weight], ce_weight=ce_weight,
+        dynamic_scaling=dynamic_scaling, kd_denominators=[kd_denominator],
+        ce_denominator=ce_denominator, dp_cp_group=dp_cp_group)
+    teacher = metrics.pop("teachers")[0]
+    metrics.update(kd=teacher["kd"], top1_agree=teacher["top1_agree"],
+                   valid_chunks=teacher["valid_chunks"])
+    return loss, metrics
+
+
+def combined_loss(
+    terms: Sequence[KDTerms],
+    *,
+    kd_weights: Sequence[float],
+    ce_weight: float = 1.0,
+    dynamic_scaling: bool = False,
+    kd_denominators: Sequence[float | torch.Tensor | None],
+    ce_denominator: float | torch.Tensor | None = None,
+    dp_cp_group: Group = None,
+) -> tuple[torch.Tensor, dict]:
+    """Several teachers' KD terms with one CE: L = sum_k w_k KD_k + w_ce CE, or with dynamic
+    scaling L = sg(CE / KD) KD + CE where KD = sum_k w_k KD_k.
+
+    ``terms[k]``: teacher k's local sums; CE is the sum of the terms' CE sums (one call computes
+    it, the others pass no labels). ``kd_denominators[k]``: teacher k's global chunk count (None:
+    this microbatch's DP x CP count). Returns this rank's share of the loss and metrics: CE, the
+    weighted KD and, per teacher, its KD mean, top-1 agreement and counted chunks.
+    """
+    if len(terms) != len(kd_weights) or len(terms) != len(kd_denominators):
+        raise ValueError(f"{len(terms)} teachers' terms need as many weights and denominators, "
+                         f"got {len(kd_weights)} and {len(kd_denominators)}")
+    sums = [global_sums(t, dp_cp_group) for t in terms]
+    ce_sum = sum(t.ce_sum for t in terms)
+    ce_global = sum(s["ce_sum"] for s in sums)
+    ce_count = sum(s["ce_count"] for s in sums)
+    n_ce = ce_count if ce_denominator is None else torch.as_tensor(ce_denominator)
+    ce = ce_sum / n_ce.double().clamp_min(1.0).to(ce_sum)
+    ce_mean = ce_global / ce_count.clamp_min(1.0)
+    kd = torch.zeros((), dtype=ce.dtype, device=ce.device)
+    kd_mean = torch.zeros((), dtype=torch.float64)
+    teachers = []
+    for t, s, weight, denominator in zip(terms, sums, kd_weights, kd_denominators, strict=True):
+        n_kd = s["kd_count"] if denominator is None else torch.as_tensor(denominator)
+        kd = kd + weight * (t.kd_sum / n_kd.double().clamp_min(1.0).to(t.kd_sum))
+        mean = s["kd_sum"] / s["kd_count"].clamp_min(1.0)
+        kd_mean = kd_mean + weight * mean.cpu()
+        teachers.append({"kd": float(mean),
+                         "top1_agree": float(s["top1"] / s["kd_count"].clamp_min(1.0)),
+                         "valid_chunks": float(s["kd_count"])})
     if dynamic_scaling:
-        scale = (ce_mean / kd_mean) if float(kd_mean) > 0 else torch.ones((), dtype=torch.float64)
+        scale = (ce_mean.cpu() / kd_mean) if float(kd_mean) > 0 else torch.ones(
+            (), dtype=torch.float64)
         loss = scale.to(kd) * kd + ce
     else:
-        scale = torch.tensor(float(kd_weight), dtype=torch.float64)
-        loss = kd_weight * kd + ce_weight * ce
-    metrics = {
-        "kd": float(kd_mean),
-        "ce": float(ce_mean),
-        "top1_agree": float(sums["top1"] / sums["kd_count"].clamp_min(1.0)),
-        "valid_chunks": float(sums["kd_count"]),
-        "ce_tokens": float(sums["ce_count"]),
-        "kd_scale": float(scale),
-    }
+        scale = torch.ones((), dtype=torch.float64)
+        loss = kd + ce_weight * ce
+    metrics = {"kd": float(kd_mean), "ce": float(ce_mean), "ce_tokens": float(ce_count),
+               "kd_scale": float(scale), "teachers": teachers}
     return loss, metrics

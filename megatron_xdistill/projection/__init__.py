@@ -10,6 +10,7 @@ from .fileio import RowKind
 from .runtime import (
     ProjectionMatrix,
     ProjectionMismatchError,
+    identity_projection,
     load_projection,
     save_projection,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "BuildOptions",
     "ProjectionMatrix",
     "ProjectionMismatchError",
+    "identity_projection",
     "RowKind",
     "build_projection",
     "load_projection",

@@ -173,6 +173,15 @@ class ProjectionMatrix:
         return rows, self.indices[valid], self.weights[valid]
 
 
+def identity_projection(vocab_size: int) -> ProjectionMatrix:
+    """W = I over a vocabulary both models share (a teacher with the student's tokenizer): each
+    token projects onto itself, so P-KL over single-token chunks is the token-level KL."""
+    ids = torch.arange(vocab_size, dtype=torch.int64).unsqueeze(1)
+    return ProjectionMatrix(ids, torch.ones(vocab_size, 1), vocab_size, vocab_size,
+                            metadata={"builder": "identity"},
+                            row_kind=torch.full((vocab_size,), int(RowKind.EXACT), dtype=torch.uint8))
+
+
 def tokenizer_metadata(student_tokenizer: Any, teacher_tokenizer: Any) -> dict[str, str]:
     """Metadata fields that tie a file to its two tokenizers (names and vocab hashes)."""
     return {

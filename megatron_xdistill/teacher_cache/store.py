@@ -38,9 +38,13 @@ class CacheError(RuntimeError):
     """A teacher cache that cannot be used as it is; the message names the file and the fix."""
 
 
-def sample_check(sample: Mapping) -> int:
+def sample_check(sample: Mapping, teacher: int = 0) -> int:
     """64-bit digest of what a sample's payload depends on: both token sequences, their lengths
-    and the alignment chunks (the teacher-side reduction averages over them)."""
+    and the alignment chunks (the teacher-side reduction averages over them). A sample of a
+    several-teacher dataset (``"teachers"``: per teacher its tokens and chunks) is checked as
+    teacher ``teacher`` sees it."""
+    if "teachers" in sample:
+        sample = {**sample, **sample["teachers"][teacher]}
     digest = hashlib.blake2b(digest_size=8)
     for key in ("tokens", "teacher_tokens", "chunks"):
         digest.update(np.ascontiguousarray(sample[key], dtype=np.int64).tobytes())

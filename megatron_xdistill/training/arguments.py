@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from megatron_xdistill.parallel.placement import PLACEMENTS, Placement
 from megatron_xdistill.parallel.shape import ParallelLayout
+from megatron_xdistill.teachers.spec import COMBINATIONS, teachers_from_args
 
 KD_LOSSES = ("pkl", "gold", "hkl")
 TOPK_MODES = ("global", "chunk")
@@ -105,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("tokenizers and projection")
     g.add_argument("--tokenizer-model", required=True, help="student HF tokenizer directory")
-    g.add_argument("--teacher-tokenizer-model", required=True,
-                   help="teacher HF tokenizer directory")
+    g.add_argument("--teacher-tokenizer-model", default=None,
+                   help="teacher HF tokenizer directory (required unless --teachers-config "
+                   "names each teacher's)")
     g.add_argument("--projection-path", default=None,
                    help="projection file (xdistill-projection build); built on the fly if omitted, "
                         "not used with --kd-weight 0 (CE alone)")
@@ -191,6 +193,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kd-dynamic-scaling", action="store_true",
                    help="L = sg(CE / KD) * KD + CE (weights ignored)")
 
+    g = p.add_argument_group("several teachers")
+    g.add_argument("--teachers-config", default=None, metavar="TEACHERS.yaml",
+                   help="distil from several teachers: a YAML list under 'teachers', each with "
+                   "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
+                   "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
+                   "kd_reverse and weight (unset keys: the --teacher-* / --kd-* flags). A "
+                   "teacher with the student's tokenizer takes a direct token-level KL (no "
+                   "projection). Colocated: the teachers run one after the other on every rank")
+    g.add_argument("--teacher-combination", choices=COMBINATIONS, default=None,
+                   help="sum: L = sum_k weight_k * KD_k + ce_weight * CE; select: per sample, "
+                   "only the teacher with the lowest CE on the sample's text (nats, summed over "
+                   "its own tokens, so tokenizers compare) teaches it. Default: the config's "
+                   "'combination', else sum")
+
     g = p.add_argument_group("teacher payload cache")
     g.add_argument("--teacher-cache", default=None, metavar="DIR",
                    help="teacher payload cache: a complete cache in DIR is read (teacher neither "
@@ -246,7 +262,11 @@ def recompute_options(args: argparse.Namespace) -> dict:
 
 def trains_ce_only(args: argparse.Namespace) -> bool:
     """``--kd-weight 0`` without dynamic scaling: the teacher's term would be multiplied by 0, so
-    the run trains on CE alone and needs no teacher, payload or projection."""
+    the run trains on CE alone and needs no teacher, payload or projection. With several
+    teachers (each weight > 0) never."""
+    teachers = getattr(args, "teachers", None)
+    if teachers is not None and len(teachers) > 1:
+        return False
     return args.kd_weight == 0 and not args.kd_dynamic_scaling
 
 
@@ -270,43 +290,54 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check(args.recompute_num_layers is None or args.recompute_num_layers >= 1,
            f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
     placement = Placement.from_args(args, world_size)  # raises with what to change
-    ranks = {"student": placement.student_size, "teacher": placement.teacher_size}
-    dp = {}
-    for who, prefix in (("student", ""), ("teacher", "teacher_")):
-        tp = getattr(args, f"{prefix}tensor_model_parallel_size")
-        pp = getattr(args, f"{prefix}pipeline_model_parallel_size")
-        cp = getattr(args, f"{prefix}context_parallel_size")
-        flag = "--" + prefix.replace("_", "-")
-        _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
-        flags = (f"{flag}tensor-model-parallel-size / {flag}pipeline-model-parallel-size / "
-                 f"{flag}context-parallel-size")
-        if placement.disaggregated:
-            split = ("--teacher-ranks" if who == "teacher" else
-                     f"world size {world_size} - --teacher-ranks {placement.teacher_size}")
-            subject = f"the {who}'s {ranks[who]} ranks ({split}) are"
-            fix = f"{flags}, --teacher-ranks or the number of ranks (torchrun --nproc-per-node)"
-        else:
-            subject = f"world size {world_size} is"
-            fix = f"{flags} or the number of ranks (torchrun --nproc-per-node)"
-        dp[who] = ParallelLayout.for_world(ranks[who], tp, cp, pp, who=who, ranks=subject,
-                                           fix=fix).dp
-        if getattr(args, f"{prefix}sequence_parallel"):
-            _check(tp > 1, f"{flag}sequence-parallel needs {flag}tensor-model-parallel-size > 1 "
-                   f"(it splits the sequence over the TP ranks)")
-        seq = args.seq_length if who == "student" else args.teacher_seq_length
-        if seq is not None:  # None: the teacher's length is derived from the data later
-            check_sequence_length(args, who, seq)
-    _check(args.global_batch_size % (args.micro_batch_size * dp["student"]) == 0,
+    args.teachers, args.teacher_combination = teachers_from_args(args)
+    several = len(args.teachers) > 1
+    dp_student = _check_layout(args, "student", placement, world_size)
+    _check(args.global_batch_size % (args.micro_batch_size * dp_student) == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of "
            f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x "
-           f"{dp['student']}")
-    _check(args.global_batch_size % dp["teacher"] == 0,
-           f"--global-batch-size {args.global_batch_size} must be a multiple of the teacher's "
-           f"data-parallel size {dp['teacher']}")
-    _check(args.teacher_seq_length is None or args.teacher_seq_length >= args.seq_length // 2,
-           f"--teacher-seq-length {args.teacher_seq_length} is too short for --seq-length "
-           f"{args.seq_length}: the teacher must cover the student's text (use about "
-           f"1-2 x --seq-length depending on the tokenizers)")
+           f"{dp_student}")
+    for spec in args.teachers:
+        view = spec.view(args)
+        who = f"teacher {spec.name!r}" if several else "teacher"
+        dp_teacher = _check_layout(view, "teacher", placement, world_size, who)
+        _check(args.global_batch_size % dp_teacher == 0,
+               f"--global-batch-size {args.global_batch_size} must be a multiple of the "
+               f"{who}'s data-parallel size {dp_teacher}")
+        _check(spec.seq_length is None or spec.seq_length >= args.seq_length // 2,
+               f"{'--teacher-seq-length' if not several else who + ': seq_length'} "
+               f"{spec.seq_length} is too short for --seq-length "
+               f"{args.seq_length}: the teacher must cover the student's text (use about "
+               f"1-2 x --seq-length depending on the tokenizers)")
+        _check(spec.kd_temperature > 0, f"{who}: --kd-temperature must be > 0")
+        _check(spec.kd_topk >= 0, f"{who}: --kd-topk must be >= 0 (0 = full teacher vocabulary)")
+        _check(spec.kd_loss in KD_LOSSES, f"{who}: kd_loss must be one of {list(KD_LOSSES)}, "
+               f"got {spec.kd_loss!r}")
+        _check(spec.kd_topk_mode in TOPK_MODES, f"{who}: kd_topk_mode must be one of "
+               f"{list(TOPK_MODES)}, got {spec.kd_topk_mode!r}")
+        _check(spec.tokenizer_model is not None,
+               "--teacher-tokenizer-model is required (the teacher's HF tokenizer directory), "
+               "unless --teachers-config names each teacher's")
+        _check(not several or spec.weight > 0,
+               f"{who}: weight {spec.weight} must be > 0 (drop a teacher that should not teach)")
+        for key, name, path in (("load", "--teacher-load", spec.load),
+                                ("tokenizer_model", "--teacher-tokenizer-model",
+                                 spec.tokenizer_model)):
+            _check(path is None or os.path.isdir(path),
+                   f"{f'{who}: {key}' if several else name}: no such directory: {path}")
+        _check(spec.projection_path is None or os.path.isfile(spec.projection_path),
+               f"{f'{who}: projection_path' if several else '--projection-path'}: no such "
+               f"file: {spec.projection_path}")
+    _check(several or args.teacher_combination == "sum",
+           "--teacher-combination select picks one of several teachers per sample: give "
+           "--teachers-config with two or more teachers")
+    if several:
+        _check(not placement.disaggregated,
+               "--teachers-config with several teachers runs them colocated (one after the "
+               "other on every rank) for now: drop --teacher-placement disaggregated")
+        _check(args.teacher_cache is None and not args.teacher_cache_only,
+               "--teacher-cache holds one teacher's payloads: not yet with several teachers "
+               "(--teachers-config); drop --teacher-cache")
     _check(not (args.optimizer == "sgd" and args.use_distributed_optimizer),
            "--optimizer sgd does not work with --use-distributed-optimizer: Megatron-Core's "
            "distributed optimizer shards Adam's state only (use --optimizer adam, or drop "
@@ -316,8 +347,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
            "(as in Megatron-LM)")
     _check(0 <= args.sgd_momentum < 1, f"--sgd-momentum {args.sgd_momentum} must be in [0, 1)")
-    _check(args.kd_temperature > 0, "--kd-temperature must be > 0")
-    _check(args.kd_topk >= 0, "--kd-topk must be >= 0 (0 = full teacher vocabulary)")
     _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")
     if args.lr_warmup_fraction is not None:
         _check(args.lr_warmup_iters == 0,
@@ -346,14 +375,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
         check_split(args.split)
     _check_teacher_cache(args)
-    for flag, path in (("--load", args.load), ("--teacher-load", args.teacher_load),
-                       ("--tokenizer-model", args.tokenizer_model),
-                       ("--teacher-tokenizer-model", args.teacher_tokenizer_model),
+    for flag, path in (("--load", args.load), ("--tokenizer-model", args.tokenizer_model),
                        ("--data-tokenizer-model", args.data_tokenizer_model)):
         _check(path is None or os.path.isdir(path), f"{flag}: no such directory: {path}")
-    if args.projection_path is not None:
-        _check(os.path.isfile(args.projection_path),
-               f"--projection-path: no such file: {args.projection_path}")
     if args.save_interval is not None:
         _check(args.save is not None, "--save-interval needs --save")
     if args.eval_interval is not None:
@@ -365,6 +389,38 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                     os.path.expanduser("~"), ".cache"), "megatron-xdistill",
                                     "data"))
     return args
+
+
+def _check_layout(args: argparse.Namespace, side: str, placement: Placement, world_size: int,
+                  who: str | None = None) -> int:
+    """One side's TP / PP / CP against its ranks and its sequence length; returns its DP.
+    ``side``: "student" or "teacher" (then ``args`` is a teacher's view); ``who`` names it."""
+    who = who or side
+    prefix = "" if side == "student" else "teacher_"
+    tp = getattr(args, f"{prefix}tensor_model_parallel_size")
+    pp = getattr(args, f"{prefix}pipeline_model_parallel_size")
+    cp = getattr(args, f"{prefix}context_parallel_size")
+    flag = "--" + prefix.replace("_", "-")
+    _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
+    flags = (f"{flag}tensor-model-parallel-size / {flag}pipeline-model-parallel-size / "
+             f"{flag}context-parallel-size")
+    ranks = placement.student_size if side == "student" else placement.teacher_size
+    if placement.disaggregated:
+        split = ("--teacher-ranks" if side == "teacher" else
+                 f"world size {world_size} - --teacher-ranks {placement.teacher_size}")
+        subject = f"the {who}'s {ranks} ranks ({split}) are"
+        fix = f"{flags}, --teacher-ranks or the number of ranks (torchrun --nproc-per-node)"
+    else:
+        subject = f"world size {world_size} is"
+        fix = f"{flags} or the number of ranks (torchrun --nproc-per-node)"
+    dp = ParallelLayout.for_world(ranks, tp, cp, pp, who=who, ranks=subject, fix=fix).dp
+    if getattr(args, f"{prefix}sequence_parallel"):
+        _check(tp > 1, f"{flag}sequence-parallel needs {flag}tensor-model-parallel-size > 1 "
+               f"(it splits the sequence over the TP ranks)")
+    seq = args.seq_length if side == "student" else args.teacher_seq_length
+    if seq is not None:  # None: the teacher's length is derived from the data later
+        check_sequence_length(args, side, seq)
+    return dp
 
 
 def sequence_multiple(args: argparse.Namespace, who: str) -> int:
@@ -410,8 +466,11 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
     _check(args.exit_duration_in_mins is None or args.exit_duration_in_mins >= 0,
            "--exit-duration-in-mins must be >= 0")
     if cache is None:
-        _check(args.teacher_load is not None, "--teacher-load is required (the teacher "
-               "checkpoint), unless --teacher-cache holds a complete cache")
+        for spec in args.teachers:
+            _check(spec.load is not None,
+                   (f"--teachers-config: teacher {spec.name!r} has no load (its checkpoint)"
+                    if len(args.teachers) > 1 else "--teacher-load is required (the teacher "
+                    "checkpoint), unless --teacher-cache holds a complete cache"))
         return
     _check(not trains_ce_only(args),
            "--teacher-cache with --kd-weight 0: CE alone uses no teacher payloads")

@@ -24,13 +24,21 @@ step between the sides.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_xdistill import models as models_api
-from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
+from megatron_xdistill.parallel.layout import (
+    ModelParallelGroups,
+    ParallelLayout,
+    build_model_parallel_groups,
+)
 from megatron_xdistill.parallel.placement import Placement
+from megatron_xdistill.teachers.combination import Combination
+from megatron_xdistill.teachers.spec import single_teacher
 from megatron_xdistill.training import kd_adapter
 from megatron_xdistill.training.arguments import trains_ce_only
 from megatron_xdistill.training.checkpointing import load_position, save_checkpoint
@@ -69,14 +77,32 @@ def _describe(layout: ParallelLayout) -> str:
     return f"TP{layout.tp} CP{layout.cp} PP{layout.pp} DP{layout.dp}"
 
 
+@dataclass
+class TeacherLane:
+    """One teacher of the run: its layout and groups, its side on this rank, its loss glue, its
+    routes to the student and (colocated) its transport; ``seconds``: its forward time since
+    the metrics last took it."""
+
+    name: str
+    layout: ParallelLayout
+    groups: ModelParallelGroups
+    side: TeacherSide
+    kd: kd_adapter.KDObjective
+    routes: list
+    index: int = 0
+    transport: RoutedTransport | None = None
+    seconds: float = 0.0
+
+
 class Distiller:
     """Sets up both sides and the transport between them; runs steps and evaluation."""
 
     def __init__(self, args, init_weights: bool = True, log=print, cache=None,
-                 teacher_only: bool = False) -> None:
+                 teacher_only: bool = False, same_tokenizer: list[bool] | None = None) -> None:
         """``cache``: the run's ``teacher_cache.TeacherCache`` (read: no teacher is built;
         write: the sending teacher ranks also record the payloads). ``teacher_only``: no
-        student (the teacher-only pass that fills a cache)."""
+        student (the teacher-only pass that fills a cache). ``same_tokenizer[k]``: teacher k
+        uses the student's tokenizer (``args.teachers``, default one teacher from the flags)."""
         self.args = args
         self.log = log
         self.rank = dist.get_rank()
@@ -88,10 +114,14 @@ class Distiller:
         self.student_layout = ParallelLayout.for_world(
             placement.student_size, args.tensor_model_parallel_size, args.context_parallel_size,
             args.pipeline_model_parallel_size, who="student")
-        self.teacher_layout = ParallelLayout.for_world(
-            placement.teacher_size, args.teacher_tensor_model_parallel_size,
-            args.teacher_context_parallel_size, args.teacher_pipeline_model_parallel_size,
-            who="teacher")
+        specs = getattr(args, "teachers", None) or [single_teacher(args)]
+        self.combination = Combination.of(specs, getattr(args, "teacher_combination", "sum"))
+        same_tokenizer = same_tokenizer or [False] * len(specs)
+        views = [spec.view(args) for spec in specs]
+        teacher_layouts = [ParallelLayout.for_world(
+            placement.teacher_size, v.teacher_tensor_model_parallel_size,
+            v.teacher_context_parallel_size, v.teacher_pipeline_model_parallel_size,
+            who=f"teacher {v.teacher_name!r}") for v in views]
         # Sequence parallelism gathers into Megatron's global scratch buffer, which
         # initialize_model_parallel would make; these layouts come from pg_collections instead.
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:
@@ -99,8 +129,8 @@ class Distiller:
         # Group creation is collective over the world: every rank builds both sides' groups.
         self.student_groups = build_model_parallel_groups(self.student_layout,
                                                           placement.student_offset)
-        self.teacher_groups = build_model_parallel_groups(self.teacher_layout,
-                                                          placement.teacher_offset)
+        teacher_groups = [build_model_parallel_groups(layout, placement.teacher_offset)
+                          for layout in teacher_layouts]
         self.cache = cache
         reads_cache = cache is not None and cache.reading
         has_student = placement.is_student(self.rank) and not teacher_only
@@ -119,14 +149,15 @@ class Distiller:
             first_t = placement.teacher_offset
             log(f"> teacher placement disaggregated: student on ranks 0-{first_t - 1} "
                 f"({_describe(self.student_layout)}), teacher on ranks {first_t}-{world - 1} "
-                f"({_describe(self.teacher_layout)})")
+                f"({_describe(teacher_layouts[0])})")
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.times = PhaseTimes()
 
-        teacher_info = (models_api.ModelInfo.from_dict(cache.manifest.teacher_model)
-                        if reads_cache else models_api.load_model_info(args.teacher_load))
-        self.teacher = TeacherSide(args, teacher_info, self.teacher_groups, runs=runs_teacher,
-                                   device=self.device, dtype=dtype, world=teacher_world)
+        infos = [models_api.ModelInfo.from_dict(cache.manifest.teacher_model) if reads_cache
+                 else models_api.load_model_info(v.teacher_load) for v in views]
+        sides = [TeacherSide(v, info, groups, runs=runs_teacher, device=self.device,
+                             dtype=dtype, world=teacher_world)
+                 for v, info, groups in zip(views, infos, teacher_groups, strict=True)]
         student_info = models_api.load_model_info(args.load)
         self.student = None
         if has_student:
@@ -137,12 +168,23 @@ class Distiller:
         if placement.disaggregated:
             _world_gathers_of_student_setup(has_student)
 
-        self.kd = kd_adapter.KDObjective(args, student_info, teacher_info,
-                                         self.student_groups, self.teacher_groups, log=log)
-        self.routes = routing_plan(args.global_batch_size, args.micro_batch_size,
-                                   self.student_layout, self.teacher_layout,
-                                   placement.student_offset, placement.teacher_offset)
-        self.transport = self.stream = None
+        selects = self.combination.selects
+        self.lanes = []
+        for k, view in enumerate(views):
+            if len(views) > 1:
+                kind = ("the student's tokenizer: token-level KL" if same_tokenizer[k]
+                        else "cross-tokenizer")
+                log(f"> teacher {view.teacher_name!r}: {_describe(teacher_layouts[k])}, {kind}, "
+                    f"weight {specs[k].weight:g}")
+            kd = kd_adapter.KDObjective(view, student_info, infos[k], self.student_groups,
+                                        teacher_groups[k], log=log,
+                                        same_tokenizer=same_tokenizer[k], ships_text_nats=selects)
+            routes = routing_plan(args.global_batch_size, args.micro_batch_size,
+                                  self.student_layout, teacher_layouts[k],
+                                  placement.student_offset, placement.teacher_offset)
+            self.lanes.append(TeacherLane(view.teacher_name, teacher_layouts[k],
+                                          teacher_groups[k], sides[k], kd, routes, index=k))
+        self.stream = None
         self.watch = None
         if placement.disaggregated:
             # Teacher and students wait on each other for as long as the other's step takes;
@@ -154,15 +196,17 @@ class Distiller:
                                    report_every_s=timeout_s)
             self.stream = RoutedStream(self.routes, numel=self.kd.payload_numel,
                                        timeout_s=timeout_s, device=self.device, watch=self.watch)
+            log(f"> teacher -> student payload routes: {self.stream.summary}")
         elif not (self.ce_only or reads_cache or teacher_only):  # nothing to route
-            self.transport = RoutedTransport(self.routes, numel=self.kd.payload_numel,
-                                             device=self.device)
-        routed = self.stream if self.stream is not None else self.transport
-        if routed is not None:
-            log(f"> teacher -> student payload routes: {routed.summary}")
+            for lane in self.lanes:
+                lane.transport = RoutedTransport(lane.routes, numel=lane.kd.payload_numel,
+                                                 device=self.device)
+                which = f" {lane.name!r}" if len(self.lanes) > 1 else ""
+                log(f"> teacher{which} -> student payload routes: {lane.transport.summary}")
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
-        self.shipped_bytes_per_step = 0 if self.ce_only else self.kd.spec.nbytes * sum(
-            1 for r in self.routes if r.src != r.dst)
+        self.shipped_bytes_per_step = 0 if self.ce_only else sum(
+            lane.kd.payload_numel * 4 * sum(1 for r in lane.routes if r.src != r.dst)
+            for lane in self.lanes)
         if self.ce_only:
             log("> --kd-weight 0: training on CE alone; the teacher is not loaded or run")
         self.step = 0  # steps run by this process (both sides count alike)
@@ -170,6 +214,37 @@ class Distiller:
     @property
     def has_student(self) -> bool:
         return self.student is not None
+
+    # The first (with --teacher-* flags: the only) teacher, for the paths that serve one
+    # teacher: the payload cache and the disaggregated stream.
+    @property
+    def teacher(self) -> TeacherSide:
+        return self.lanes[0].side
+
+    @property
+    def teacher_groups(self) -> ModelParallelGroups:
+        return self.lanes[0].groups
+
+    @property
+    def teacher_layout(self) -> ParallelLayout:
+        return self.lanes[0].layout
+
+    @property
+    def kd(self) -> kd_adapter.KDObjective:
+        return self.lanes[0].kd
+
+    @property
+    def routes(self) -> list:
+        return self.lanes[0].routes
+
+    @property
+    def kds(self) -> list[kd_adapter.KDObjective]:
+        return [lane.kd for lane in self.lanes]
+
+    @property
+    def payload_bytes_per_token(self) -> float:
+        """Teacher payload bytes per student token, all teachers together."""
+        return sum(lane.kd.payload_bytes_per_token for lane in self.lanes)
 
     # ------------------------------------------------------------------ the step
     def train_step(self, samples: dict[int, dict], next_step: bool = False) -> dict[str, float]:
@@ -186,45 +261,78 @@ class Distiller:
             self._teacher_only_step(step, samples)
             return {}
         teacher_seconds = 0.0
-        t0 = t1 = device_now(self.device)
-        payloads: dict[int, torch.Tensor] | None
+        payloads: list[dict[int, torch.Tensor]] | None
         if self.ce_only:
             payloads = None
         elif self.cache is not None and self.cache.reading:
             # the last stage reads its own samples' payloads from disk
             mine = self.student.positions() if self.student_groups.is_last_stage else []
-            payloads = self.cache.fetch(samples, mine, self.device)
-        elif self.stream is None:  # colocated: this rank runs its teacher shard first
-            sender = self.teacher.sent(self.teacher.forward(samples, self.kd))
-            t1 = device_now(self.device)
-            self.times.teacher += t1 - t0
-            if self.cache is not None:
-                self.cache.record(samples, sender)
-            payloads = self.transport.exchange(sender)
+            t0 = device_now(self.device)
+            payloads = [self.cache.fetch(samples, mine, self.device)]
+            self.times.route += device_now(self.device) - t0
+        elif self.stream is None:  # colocated: this rank runs its teacher shards first
+            payloads = [self._colocated_payloads(lane, samples) for lane in self.lanes]
         else:
-            payloads, stats = self.stream.receive(step)
+            t0 = device_now(self.device)
+            received, stats = self.stream.receive(step)
+            payloads = [received]
             if next_step:
                 self.stream.prefetch(step + 1)
             if len(stats):
                 teacher_seconds = float(stats[:, 0].max())
-        self.times.route += device_now(self.device) - t1
-        report = self.student.train_step(samples, payloads, self.kd, teacher_seconds)
+            self.times.route += device_now(self.device) - t0
+        report = self.student.train_step(samples, payloads, self.kds, self.combination,
+                                         teacher_seconds)
         if self.stream is not None:
             self.times.teacher += report.teacher_seconds
         return self._metrics(report)
 
+    def _colocated_payloads(self, lane: TeacherLane, samples: dict[int, dict]
+                            ) -> dict[int, torch.Tensor]:
+        """One teacher's forward on this rank, then its payloads routed to the student ranks
+        that train on them."""
+        t0 = device_now(self.device)
+        sender = lane.side.sent(lane.side.forward(samples, lane.kd, lane.index))
+        t1 = device_now(self.device)
+        self.times.teacher += t1 - t0
+        lane.seconds += t1 - t0
+        if self.cache is not None:
+            self.cache.record(samples, sender)
+        payloads = lane.transport.exchange(sender)
+        self.times.route += device_now(self.device) - t1
+        return payloads
+
     def _metrics(self, report: StepReport) -> dict[str, float]:
-        return {"kd": report.kd, "ce": report.ce, "top1_agree": report.top1_agree,
-                "grad_norm": report.grad_norm, "lr": report.lr, "skipped": int(report.skipped),
-                "chunks": int(report.chunks), "tokens": int(report.tokens),
-                "teacher_fill": round(report.teacher_fill, 4),
-                "shipped_bytes_per_token": round(
-                    self.shipped_bytes_per_step / max(report.tokens, 1.0), 1)}
+        out = {"kd": report.kd, "ce": report.ce, "top1_agree": report.top1_agree,
+               "grad_norm": report.grad_norm, "lr": report.lr, "skipped": int(report.skipped),
+               "chunks": int(report.chunks), "tokens": int(report.tokens),
+               "teacher_fill": round(report.teacher_fill, 4),
+               "shipped_bytes_per_token": round(
+                   self.shipped_bytes_per_step / max(report.tokens, 1.0), 1)}
+        for lane, teacher in zip(self.lanes, report.teachers or [], strict=False):
+            name = teacher["name"]
+            out.update({f"kd/{name}": teacher["kd"], f"top1_agree/{name}": teacher["top1_agree"],
+                        f"chunks/{name}": int(teacher["chunks"]),
+                        f"teacher_fill/{name}": round(teacher["teacher_fill"], 4),
+                        f"payload_bytes_per_token/{name}": round(
+                            lane.kd.payload_bytes_per_token, 1)})
+            if self.combination.selects:
+                out[f"selected/{name}"] = teacher["samples"] / max(self.args.global_batch_size, 1)
+        return out
+
+    def teacher_times(self) -> dict[str, float]:
+        """Seconds each teacher's forward took since the last call (several teachers), reset."""
+        if len(self.lanes) < 2:
+            return {}
+        out = {f"time_teacher/{lane.name}": round(lane.seconds, 4) for lane in self.lanes}
+        for lane in self.lanes:
+            lane.seconds = 0.0
+        return out
 
     def _teacher_only_step(self, step: int, samples: dict[int, dict]) -> None:
         """Disaggregated teacher rank: forward, then send without waiting for the students."""
         t0 = device_now(self.device)
-        outgoing = self.teacher.forward(samples, self.kd)
+        outgoing = self.teacher.forward(samples, self.kd, 0)
         t1 = device_now(self.device)
         if self.cache is not None:
             self.cache.record(samples, self.teacher.sent(outgoing))
@@ -237,7 +345,7 @@ class Distiller:
     def evaluate(self, batches) -> dict[str, float]:
         """Student CE and bits per byte on held-out batches (forward only; collective over the
         student ranks, nothing to do on disaggregated teacher ranks)."""
-        return {} if self.student is None else self.student.evaluate(batches, self.kd)
+        return {} if self.student is None else self.student.evaluate(batches, self.kds[0])
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: str, iteration: int, common: dict) -> str:
@@ -264,7 +372,7 @@ class Distiller:
     def close(self) -> None:
         """Release the transport's shared buffers (shared memory, CUDA IPC); idempotent. Also
         on errors: a rank that stops early leaves no segment or mapping behind."""
-        for transport in (self.transport, self.stream):
+        for transport in [lane.transport for lane in self.lanes] + [self.stream]:
             if transport is not None:
                 transport.close()
         if self.watch is not None:

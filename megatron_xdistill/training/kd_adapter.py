@@ -20,6 +20,7 @@ from megatron_xdistill.loss import (
     predicting_chunk_id,
     teacher_payload,
 )
+from megatron_xdistill.loss.collectives import all_reduce
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.training.arguments import trains_ce_only
 
@@ -33,11 +34,19 @@ def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
 
 
-def load_or_build_projection(args, log=print):
+def load_or_build_projection(args, log=print, shared_vocab: int | None = None):
     """The projection of ``--projection-path`` (hashes checked against both tokenizers), or one
-    built now from the tokenizers when no path is given."""
-    from megatron_xdistill.projection import BuildOptions, build_projection, load_projection
+    built now from the tokenizers when no path is given. ``shared_vocab``: the teacher uses the
+    student's tokenizer; W is the identity over that many ids (no file, nothing to build)."""
+    from megatron_xdistill.projection import (
+        BuildOptions,
+        build_projection,
+        identity_projection,
+        load_projection,
+    )
 
+    if shared_vocab is not None:
+        return identity_projection(shared_vocab)
     if args.projection_path:
         return load_projection(args.projection_path, args.tokenizer_model,
                                args.teacher_tokenizer_model)
@@ -50,14 +59,22 @@ class KDObjective:
     """The loss configuration of a run, bound to the student's and the teacher's layouts."""
 
     def __init__(self, args, student_info, teacher_info, student: ModelParallelGroups,
-                 teacher: ModelParallelGroups, log=print) -> None:
+                 teacher: ModelParallelGroups, log=print, same_tokenizer: bool = False,
+                 ships_text_nats: bool = False) -> None:
+        """``args``: the run's arguments as this teacher sees them (``TeacherSpec.view``).
+        ``same_tokenizer``: the teacher uses the student's tokenizer (chunks are single tokens,
+        W the identity). ``ships_text_nats``: each payload row also carries the teacher's CE on
+        the sample's text (for per-sample teacher selection)."""
         self.args = args
         self.student, self.teacher = student, teacher
         self.student_vocab = student_info.vocab_size
         self.teacher_vocab = teacher_info.vocab_size
+        self.same_tokenizer = same_tokenizer
+        self.ships_text_nats = ships_text_nats
         # CE alone (--kd-weight 0) never projects anything: W is neither loaded nor built.
         self.ce_only = trains_ce_only(args)
-        matrix = None if self.ce_only else load_or_build_projection(args, log)
+        shared = min(self.student_vocab, self.teacher_vocab) if same_tokenizer else None
+        matrix = None if self.ce_only else load_or_build_projection(args, log, shared)
         if matrix is not None and (matrix.student_vocab_size > self.student_vocab
                                    or matrix.teacher_vocab_size > self.teacher_vocab):
             raise ValueError(
@@ -85,7 +102,9 @@ class KDObjective:
 
     @property
     def payload_numel(self) -> int:
-        return 0 if self.spec is None else self.spec.numel
+        """Floats per sample shipped to the student: the payload, and the text's nats when
+        teachers are selected per sample."""
+        return 0 if self.spec is None else self.spec.numel + int(self.ships_text_nats)
 
     @property
     def payload_bytes_per_token(self) -> float:
@@ -102,13 +121,39 @@ class KDObjective:
             logits.float(), pred, self.spec, vocab_size=self.teacher_vocab,
             temperature=self.args.kd_temperature, common_teacher_ids=self.common_teacher,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
-        return payload.to_flat()
+        flat = payload.to_flat()
+        if self.ships_text_nats:
+            flat = torch.cat([flat, self.text_nats(logits, batch).to(flat)[:, None]], dim=1)
+        return flat
+
+    def text_nats(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """[b] the teacher's CE of each sample's text: nats summed over its own next-token
+        predictions (a sum, not a mean, so teachers with different tokenizers compare on the
+        same text). Collective over the teacher's TP and CP groups."""
+        groups = self.teacher
+        tokens = batch["teacher_tokens"]
+        labels = tokens[:, 1:].clone()
+        positions = torch.arange(labels.shape[1]).unsqueeze(0)
+        labels[positions >= (batch["teacher_length"].unsqueeze(1) - 1)] = -1
+        labels = groups.cp_local(labels)
+        nats = torch.zeros(logits.shape[0], dtype=torch.float64, device=logits.device)
+        with torch.no_grad():
+            for row in range(logits.shape[0]):
+                terms = parallel_kd_loss(
+                    logits[row : row + 1].float(), None, None, None, None, None,
+                    student_vocab_size=self.teacher_vocab, labels=labels[row : row + 1],
+                    tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
+                nats[row] = terms.ce_sum.double()
+        return all_reduce(nats, groups.pg_collection.cp)
 
     # ---------------------------------------------------------------- student side
-    def count_chunks(self, batch: dict) -> int:
-        """Chunks the KD loss counts in a (full-sequence) batch: for the global denominator."""
+    def count_chunks(self, batch: dict, samples: torch.Tensor | None = None) -> int:
+        """Chunks the KD loss counts in a (full-sequence) batch: for the global denominator.
+        ``samples`` (bool [B]): only those samples' chunks."""
         counted = counted_chunks(batch["student_chunk_id"], batch["teacher_chunk_id"],
                                  batch["chunk_valid"], batch["chunk_exact"])
+        if samples is not None:
+            counted = counted[samples.to(counted.device)]
         return int(counted.sum())
 
     def labels(self, batch: dict) -> torch.Tensor:
@@ -119,19 +164,21 @@ class KDObjective:
         return groups.cp_local(labels)
 
     def student_terms(self, logits: torch.Tensor, batch: dict,
-                      payload_rows: torch.Tensor | None = None):
+                      payload_rows: torch.Tensor | None = None, with_ce: bool = True):
         """Local KD and CE sums of one student microbatch (student's last stage). Without
-        ``payload_rows`` (the microbatch's flat teacher payloads, [b, numel]) CE alone."""
+        ``payload_rows`` (the microbatch's flat teacher payloads, [b, numel]) CE alone.
+        ``with_ce=False``: KD only (another teacher's call takes the CE)."""
         groups = self.student
         width = logits.shape[1] * groups.layout.cp
         payload = pred = None
         if payload_rows is not None:
-            payload = TeacherPayload.from_flat(payload_rows, self.spec)
+            payload = TeacherPayload.from_flat(payload_rows[:, : self.spec.numel], self.spec)
             pred = predicting_chunk_id(batch["student_chunk_id"])[:, :width]
             pred = groups.cp_local(pred)
         return parallel_kd_loss(
             logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,
             student_vocab_size=self.student_vocab, mode=self.mode,
             temperature=self.args.kd_temperature, reverse=self.args.kd_reverse,
-            common_student_ids=self.common_student, labels=self.labels(batch),
+            common_student_ids=self.common_student,
+            labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)

@@ -41,14 +41,32 @@ def _log(message: str) -> None:
         print(message, flush=True)
 
 
-def _check_vocabularies(args, aligner) -> None:
+def _tokenizers(args):
+    """The student's and every teacher's tokenizer (each directory loaded once)."""
+    from megatron_xdistill.align import load_tokenizer
+    from megatron_xdistill.data.tokenizations import SampleTokenizers
+
+    loaded: dict[str, object] = {}
+
+    def get(path: str):
+        if path not in loaded:
+            loaded[path] = load_tokenizer(path)
+        return loaded[path]
+
+    return SampleTokenizers(get(args.tokenizer_model),
+                            [get(spec.tokenizer_model) for spec in args.teachers])
+
+
+def _check_vocabularies(args, tokenizers) -> None:
     """Each checkpoint against its tokenizer, before anything is built."""
     from megatron_xdistill import models as models_api
 
-    sides = [("student", args.load, aligner.student_tokenizer, args.tokenizer_model)]
-    if args.teacher_load is not None:
-        sides.append(("teacher", args.teacher_load, aligner.teacher_tokenizer,
-                      args.teacher_tokenizer_model))
+    sides = [("student", args.load, tokenizers.student_tokenizer, args.tokenizer_model)]
+    several = len(args.teachers) > 1
+    for spec, tokenizer in zip(args.teachers, tokenizers.teacher_tokenizers, strict=True):
+        if spec.load is not None:
+            sides.append((f"teacher {spec.name!r}" if several else "teacher", spec.load,
+                          tokenizer, spec.tokenizer_model))
     for who, ckpt, tokenizer, tokenizer_path in sides:
         models_api.check_tokenizer_fits(models_api.load_model_info(ckpt), len(tokenizer), ckpt,
                                         tokenizer_path, who)
@@ -73,18 +91,46 @@ def _data_tokenizer(args, sources) -> str | None:
     return args.data_tokenizer_model or args.tokenizer_model
 
 
-def _derive_teacher_length(args, documents, aligner) -> None:
-    """``--teacher-seq-length`` from the data when not given (rank 0, which holds the documents;
-    :func:`_corpus` hands the length to the others)."""
+def _derive_teacher_lengths(args, documents, tokenizers) -> list[int]:
+    """Each teacher's sequence length: given, the student's for a teacher with the student's
+    tokenizer, else derived from the data (rank 0, which holds the documents; :func:`_corpus`
+    hands the lengths to the others)."""
     from megatron_xdistill.data.lengths import teacher_length_from_data
     from megatron_xdistill.training.arguments import sequence_multiple
 
-    if args.teacher_seq_length is not None:
-        return
-    choice = teacher_length_from_data(documents, aligner, args.seq_length,
-                                      multiple=sequence_multiple(args, "teacher"))
-    args.teacher_seq_length = choice.teacher_seq_length
-    _log(f"> {choice.describe()}")
+    lengths = []
+    several = len(args.teachers) > 1
+    for k, spec in enumerate(args.teachers):
+        aligner = tokenizers.aligners[k]
+        if aligner is None:  # the student's tokenizer: the student's tokens, the student's length
+            if spec.seq_length not in (None, args.seq_length):
+                raise ValueError(
+                    f"teacher {spec.name!r} uses the student's tokenizer, so it reads the "
+                    f"student's tokens: its seq_length must be --seq-length {args.seq_length} "
+                    f"(or unset), got {spec.seq_length}")
+            lengths.append(args.seq_length)
+        elif spec.seq_length is not None:
+            lengths.append(spec.seq_length)
+        else:
+            view = spec.view(args)
+            choice = teacher_length_from_data(documents, aligner, args.seq_length,
+                                              multiple=sequence_multiple(view, "teacher"))
+            lengths.append(choice.teacher_seq_length)
+            _log(f"> {'teacher ' + repr(spec.name) + ': ' if several else ''}"
+                 f"{choice.describe()}")
+    return lengths
+
+
+def _set_teacher_lengths(args, lengths: list[int]) -> None:
+    """Record each teacher's length in its spec (``--teacher-seq-length``: the first's),
+    checked against its layout."""
+    from megatron_xdistill.training.arguments import check_sequence_length
+
+    args.teachers = [spec.with_seq_length(n) for spec, n in zip(args.teachers, lengths,
+                                                                strict=True)]
+    args.teacher_seq_length = lengths[0]
+    for spec in args.teachers:
+        check_sequence_length(spec.view(args), "teacher", spec.seq_length)
 
 
 def _on_rank0(fn):
@@ -109,7 +155,7 @@ def _on_rank0(fn):
     return value
 
 
-def _corpus(args, aligner) -> tuple[dict, object, object]:
+def _corpus(args, tokenizers) -> tuple[dict, object, object]:
     """Rank 0 reads ``--data-path`` (and ``--valid-data-path``) whole, splits it (``--split``)
     and derives the teacher's length; every rank gets the numbering of the planned documents.
     Returns (rank 0's documents for planning, or {} elsewhere; the training numbering; the
@@ -117,7 +163,6 @@ def _corpus(args, aligner) -> tuple[dict, object, object]:
     from megatron_xdistill.data.document_share import DocumentNumbering
     from megatron_xdistill.data.sources import parse_data_path
     from megatron_xdistill.data.split import split_loaded, split_ranges
-    from megatron_xdistill.training.arguments import check_sequence_length
 
     loaded: dict = {}
 
@@ -130,14 +175,13 @@ def _corpus(args, aligner) -> tuple[dict, object, object]:
                  f"{len(loaded['valid'][1])} validation documents of --data-path")
         elif args.valid_data_path:
             loaded["valid"] = _documents(args, args.valid_data_path, "valid")
-        _derive_teacher_length(args, loaded["train"][1], aligner)
+        lengths = _derive_teacher_lengths(args, loaded["train"][1], tokenizers)
         valid = loaded["valid"]
         return {"train": train[2], "valid": None if args.split or valid is None else valid[2],
-                "teacher_seq_length": args.teacher_seq_length}
+                "teacher_seq_lengths": lengths}
 
     meta = _on_rank0(read)
-    args.teacher_seq_length = meta["teacher_seq_length"]
-    check_sequence_length(args, "teacher", args.teacher_seq_length)
+    _set_teacher_lengths(args, meta["teacher_seq_lengths"])
     sources = parse_data_path(args.data_path)
     counts = meta["train"]
     if args.split is not None:
@@ -151,14 +195,15 @@ def _corpus(args, aligner) -> tuple[dict, object, object]:
     return loaded, train, valid
 
 
-def _plan(args, numbering, aligner, num_samples: int, what: str, loaded=None):
+def _plan(args, numbering, tokenizers, num_samples: int, what: str, loaded=None):
     """Packing plan of the documents of ``numbering``: rank 0 builds it from ``loaded`` (its
     documents, read whole) or finds it in the cache, and writes it; the others read it."""
     from megatron_xdistill.data.packing import build_plan, load_plan, plan_key, save_plan
 
     sources = numbering.sources
-    key = plan_key(sources, args.text_field, args.tokenizer_model, args.teacher_tokenizer_model,
-                   args.seq_length, args.teacher_seq_length, args.seed, num_samples,
+    key = plan_key(sources, args.text_field, args.tokenizer_model,
+                   [spec.tokenizer_model for spec in args.teachers], args.seq_length,
+                   _teacher_lengths(args), args.seed, num_samples,
                    _data_tokenizer(args, sources), args.split)
     cache = args.data_cache_path
     path = os.path.join(cache, f"{what}_plan_{key}.npz")
@@ -167,8 +212,9 @@ def _plan(args, numbering, aligner, num_samples: int, what: str, loaded=None):
         if plan is None:
             _, documents, counts = loaded
             _log(f"> packing {what} data ({len(documents)} documents) into {num_samples} samples")
-            plan = build_plan(documents, sources, counts, aligner, args.seq_length,
-                              args.teacher_seq_length, args.seed, num_samples, key=key, log=_log)
+            plan = build_plan(documents, sources, counts, tokenizers, args.seq_length,
+                              _teacher_lengths(args), args.seed, num_samples, key=key,
+                              log=_log)
             save_plan(plan, path)
     dist.barrier()
     plan = load_plan(path, key)
@@ -176,6 +222,10 @@ def _plan(args, numbering, aligner, num_samples: int, what: str, loaded=None):
         raise RuntimeError(f"rank {dist.get_rank()}: packing plan {path} missing after rank 0 wrote it "
                            f"(is {cache} on a shared file system?)")
     return plan
+
+
+def _teacher_lengths(args) -> list[int]:
+    return [spec.seq_length for spec in args.teachers]
 
 
 def _share(args, numbering, plan, samples, loaded=None):
@@ -239,7 +289,6 @@ def _resume_source(args) -> str | None:
 
 
 def _train(args, started: float) -> int:
-    from megatron_xdistill.align import TokenAligner, load_tokenizer
     from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
     from megatron_xdistill.data.document_share import step_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
@@ -254,23 +303,23 @@ def _train(args, started: float) -> int:
 
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    aligner = TokenAligner(load_tokenizer(args.tokenizer_model),
-                           load_tokenizer(args.teacher_tokenizer_model))
-    _check_vocabularies(args, aligner)
-    loaded, train_numbering, valid_numbering = _corpus(args, aligner)
+    tokenizers = _tokenizers(args)
+    _check_vocabularies(args, tokenizers)
+    loaded, train_numbering, valid_numbering = _corpus(args, tokenizers)
     resume_from = None if args.teacher_cache_only else _resume_source(args)
     cache = None
     num_samples = args.train_iters * args.global_batch_size
     if args.teacher_cache:
-        cache, _, num_samples = open_teacher_cache(args, aligner, _log)
+        cache, _, num_samples = open_teacher_cache(args, tokenizers, _log)
     distiller = Distiller(args, init_weights=resume_from is None, log=_log, cache=cache,
-                          teacher_only=args.teacher_cache_only)
+                          teacher_only=args.teacher_cache_only,
+                          same_tokenizer=tokenizers.same_tokenizer)
     iteration = 0
     if resume_from is not None:
         iteration = distiller.resume(resume_from)["iteration"]
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
-    plan = _plan(args, train_numbering, aligner, num_samples, "train", loaded.get("train"))
+    plan = _plan(args, train_numbering, tokenizers, num_samples, "train", loaded.get("train"))
     if cache is not None:  # rank 0 starts a new cache's manifest; writer / reader per rank
         cache.attach(distiller.teacher.info.to_dict(), num_samples, distiller.kd.payload_numel,
                      rank, writer=distiller.teacher.writes_payloads,
@@ -279,17 +328,18 @@ def _train(args, started: float) -> int:
                      commit_seconds=args.teacher_cache_commit_seconds)
     # A disaggregated rank loads only the samples of the model it serves.
     s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
-    t_dp = distiller.teacher_groups.coords["dp"] if distiller.teacher.runs else None
+    served = [(lane.groups.coords["dp"] if lane.side.runs else None, lane.layout)
+              for lane in distiller.lanes]
     sampler = StepSampler(len(plan), iteration, args.global_batch_size, args.micro_batch_size,
-                          s_dp, distiller.student_layout, t_dp, distiller.teacher_layout)
+                          s_dp, distiller.student_layout, more_teachers=served)
     if args.teacher_cache_only:  # the teacher-only pass reads every sample
         samples = np.arange(len(plan))
     else:
         samples = step_samples(sampler.local, iteration, args.train_iters,
                                args.global_batch_size, len(plan))
     documents = _share(args, train_numbering, plan, samples, loaded.get("train"))
-    dataset = DistillationDataset(documents, plan, aligner, args.seq_length,
-                                  args.teacher_seq_length)
+    dataset = DistillationDataset(documents, plan, tokenizers, args.seq_length,
+                                  _teacher_lengths(args))
     if args.teacher_cache_only:
         return fill_teacher_cache(args, distiller, cache, dataset, _log)
     steps = StepBatches(dataset, sampler, args.num_workers)
@@ -297,14 +347,14 @@ def _train(args, started: float) -> int:
     eval_batches = None
     if valid_numbering is not None:
         n_eval = args.eval_iters * args.global_batch_size  # Megatron-LM: global batches
-        v_plan = _plan(args, valid_numbering, aligner, n_eval, "valid", loaded.get("valid"))
+        v_plan = _plan(args, valid_numbering, tokenizers, n_eval, "valid", loaded.get("valid"))
         mine = []
         if distiller.has_student:  # evaluation runs on the student ranks only
             mine = student_samples(min(n_eval, len(v_plan)), args.micro_batch_size,
                                    distiller.student_layout.dp, s_dp)
         v_share = _share(args, valid_numbering, v_plan, mine, loaded.get("valid"))
-        v_set = DistillationDataset(v_share, v_plan, aligner, args.seq_length,
-                                    args.teacher_seq_length)
+        v_set = DistillationDataset(v_share, v_plan, tokenizers, args.seq_length,
+                                    _teacher_lengths(args))
         mbs = args.micro_batch_size
         eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
                         for k in range(0, len(mine), mbs)] if distiller.has_student else None
@@ -312,8 +362,11 @@ def _train(args, started: float) -> int:
 
     wandb = None if args.wandb_project is None else {
         "project": args.wandb_project, "name": args.wandb_exp_name, "dir": args.wandb_save_dir,
-        "entity": args.wandb_entity, "config": {k: v for k, v in vars(args).items()
-                                                if isinstance(v, (int, float, str, bool, list))}}
+        "entity": args.wandb_entity, "config": {
+            **{k: v for k, v in vars(args).items()
+               if isinstance(v, (int, float, str, bool)) or (
+                   isinstance(v, list) and all(isinstance(x, (int, float, str)) for x in v))},
+            "teachers": [dict(vars(spec)) for spec in args.teachers]}}
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=rank == 0,
                            wandb=wandb)
     if eval_batches is not None and iteration == 0:
@@ -339,8 +392,8 @@ def _train(args, started: float) -> int:
                           "elapsed_ms_per_iteration": round(1e3 * (now - last) / steps_since, 1),
                           "tokens_per_s": round(tokens_since / (now - last), 1),
                           "consumed_samples": iteration * args.global_batch_size,
-                          **distiller.times.reset()}
-                record["payload_bytes_per_token"] = round(distiller.kd.payload_bytes_per_token, 1)
+                          **distiller.times.reset(), **distiller.teacher_times()}
+                record["payload_bytes_per_token"] = round(distiller.payload_bytes_per_token, 1)
                 writer.write(record)
                 last, tokens_since, steps_since = now, 0, 0
             if eval_batches is not None and args.eval_interval and (

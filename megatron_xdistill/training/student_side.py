@@ -21,11 +21,12 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_xdistill import models as models_api
-from megatron_xdistill.data.dataset import collate_samples
-from megatron_xdistill.loss import total_loss
+from megatron_xdistill.data.dataset import collate_samples, teacher_view
+from megatron_xdistill.loss import KDTerms, combined_loss
 from megatron_xdistill.models.megatron_lm import megatron_lm_args
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.sample_owners import student_samples
+from megatron_xdistill.teachers.combination import Combination, choose_teachers
 from megatron_xdistill.training import arguments
 from megatron_xdistill.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_xdistill.training.clocks import LossClock, PhaseTimes, device_now
@@ -37,10 +38,16 @@ from megatron_xdistill.training.schedule import run_schedule
 @dataclass
 class Microbatch:
     """One student micro-batch: the collated samples and, on the last stage of a run that
-    distils, their teacher payload rows [b, numel]."""
+    distils, each teacher's payload rows [b, numel_k] (and, when teachers are selected per
+    sample, the chosen teacher of each sample)."""
 
     batch: dict
-    payload: torch.Tensor | None = None
+    payloads: list[torch.Tensor] | None = None
+    choice: torch.Tensor | None = None
+
+    def taught_by(self, k: int) -> torch.Tensor | None:
+        """bool [b]: the samples teacher k teaches (None: all of them)."""
+        return None if self.choice is None else self.choice == k
 
 
 @dataclass
@@ -58,6 +65,7 @@ class StepReport:
     tokens: float
     teacher_fill: float
     teacher_seconds: float
+    teachers: list[dict] | None = None  # several teachers: each one's kd, top1, chunks, fill
 
 
 class StudentSide:
@@ -117,61 +125,98 @@ class StudentSide:
                                self.groups.coords["dp"])
 
     def microbatches(self, samples: dict[int, dict],
-                     payloads: dict[int, torch.Tensor] | None) -> list[Microbatch]:
-        """This replica's micro-batches, each collated once; ``payloads`` by sample position
-        (None: CE alone, or a stage before the last)."""
+                     payloads: list[dict[int, torch.Tensor]] | None,
+                     kds: list[KDObjective], combination: Combination) -> list[Microbatch]:
+        """This replica's micro-batches, each collated once; ``payloads``: per teacher, its rows
+        by sample position (None: CE alone, or a stage before the last)."""
         mine = self.positions()
         out = []
         for start in range(0, len(mine), self.mbs):
             ids = mine[start : start + self.mbs]
-            rows = None if payloads is None else torch.stack([payloads[i] for i in ids]).float()
-            out.append(Microbatch(collate_samples([samples[i] for i in ids]), rows))
+            rows = choice = None
+            if payloads is not None:
+                rows = [torch.stack([p[i] for i in ids]).float() for p in payloads]
+                if combination.selects:
+                    choice = choose_teachers([r[:, -1] for r in rows])
+            out.append(Microbatch(collate_samples([samples[i] for i in ids]), rows, choice))
         return out
 
     def _global_counts(self, samples: dict[int, dict], micro: list[Microbatch],
-                       kd: KDObjective) -> tuple[float, float, float]:
-        """Valid chunks, label tokens and the teacher's fill (the share of its sample's token
-        slots that hold real tokens, not padding) in the whole global batch (over DP)."""
+                       kds: list[KDObjective], combination: Combination) -> torch.Tensor:
+        """Over the whole global batch (over DP), float64: label tokens, then per teacher its
+        counted chunks (of the samples it teaches), its real and its slot token counts (the
+        teacher's fill: the share of its token slots that hold real tokens, not padding) and
+        the samples it teaches."""
         mine = [samples[i] for i in self.positions()]
-        counts = torch.tensor([float(sum(kd.count_chunks(m.batch) for m in micro)),
-                               float(sum(m.batch["loss_mask"].sum() for m in micro)),
-                               float(sum(s["teacher_length"] for s in mine)),
-                               float(len(mine) * (self.args.teacher_seq_length + 1))],
-                              dtype=torch.float64, device=self.device)
+        values = [float(sum(m.batch["loss_mask"].sum() for m in micro))]
+        for k, kd in enumerate(kds):
+            values += [float(sum(kd.count_chunks(teacher_view(m.batch, k), m.taught_by(k))
+                                 for m in micro)),
+                       float(sum(s["teachers"][k]["teacher_length"] for s in mine)),
+                       float(len(mine) * (kd.args.teacher_seq_length + 1)),
+                       float(sum(len(m.batch["tokens"]) if m.choice is None
+                                 else int((m.choice == k).sum()) for m in micro))]
+        counts = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(counts, group=self.groups.pg_collection.dp)
-        return counts[0].item(), counts[1].item(), counts[2].item() / max(counts[3].item(), 1)
+        return counts.cpu()
 
-    def _loss(self, kd: KDObjective, n_chunks: float, n_tokens: float, micro: Microbatch,
-              logits: torch.Tensor):
+    def _loss(self, kds: list[KDObjective], combination: Combination, denominators: list[float],
+              n_tokens: float, micro: Microbatch, logits: torch.Tensor):
         """This rank's share of the global-batch loss (normalised by global counts)."""
         layout, clock, args = self.groups.layout, self.loss_clock, self.args
         t0 = device_now(self.device)
-        terms = kd.student_terms(clock.enter(logits), micro.batch, micro.payload)
-        loss, _ = total_loss(terms, kd_weight=args.kd_weight, ce_weight=args.ce_weight,
-                             dynamic_scaling=args.kd_dynamic_scaling, kd_denominator=n_chunks,
-                             ce_denominator=n_tokens,
-                             dp_cp_group=self.groups.pg_collection.dp_cp)
+        logits = clock.enter(logits)
+        if micro.payloads is None:  # CE alone
+            terms = [kds[0].student_terms(logits, teacher_view(micro.batch, 0))]
+            weights, denominators = [0.0], [None]
+        else:
+            terms = [self._teacher_terms(kd, k, micro, logits) for k, kd in enumerate(kds)]
+            weights = list(combination.weights)
+        loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=args.ce_weight,
+                                dynamic_scaling=args.kd_dynamic_scaling,
+                                kd_denominators=denominators, ce_denominator=n_tokens,
+                                dp_cp_group=self.groups.pg_collection.dp_cp)
         # The schedule divides by num_microbatches; DDP averages gradients over DP x CP.
         scaled = clock.leave(loss * (self.num_microbatches * layout.dp * layout.cp))
-        report = torch.stack([terms.kd_sum.detach().double() / max(n_chunks, 1.0),
-                              terms.ce_sum.detach().double() / max(n_tokens, 1.0),
-                              terms.top1.double()])
+        report = [sum(t.ce_sum.detach().double() for t in terms) / max(n_tokens, 1.0)]
+        for t, n in zip(terms, denominators, strict=True):
+            report += [t.kd_sum.detach().double() / max(n or 0.0, 1.0), t.top1.double()]
         self.times.loss += device_now(self.device) - t0
-        return scaled, torch.tensor(1, dtype=torch.int), {"report": report}
+        return scaled, torch.tensor(1, dtype=torch.int), {"report": torch.stack(report)}
 
-    def train_step(self, samples: dict[int, dict], payloads: dict[int, torch.Tensor] | None,
-                   kd: KDObjective, teacher_seconds: float = 0.0) -> StepReport:
+    @staticmethod
+    def _teacher_terms(kd: KDObjective, k: int, micro: Microbatch, logits: torch.Tensor):
+        """Teacher k's KD sums of a micro-batch (teacher 0's call also takes the CE); under
+        selection only over the samples it teaches, and no work when it teaches none."""
+        view = teacher_view(micro.batch, k)
+        taught = micro.taught_by(k)
+        if taught is not None:
+            if not bool(taught.any()) and k > 0:
+                zero = logits.new_zeros((), dtype=torch.float32)
+                return KDTerms(zero, zero.detach(), zero.detach(), zero, zero.detach())
+            view = dict(view, chunk_valid=view["chunk_valid"] & taught[:, None])
+        return kd.student_terms(logits, view, micro.payloads[k], with_ce=k == 0)
+
+    def train_step(self, samples: dict[int, dict], payloads: list[dict[int, torch.Tensor]] | None,
+                   kds: list[KDObjective], combination: Combination,
+                   teacher_seconds: float = 0.0) -> StepReport:
         """Forward/backward over this replica's micro-batches and the optimizer step.
-        ``payloads``: the teacher's rows by sample position (None: CE alone)."""
+        ``payloads``: per teacher, its rows by sample position (None: CE alone)."""
         t0 = device_now(self.device)
         groups = self.groups
-        micro = self.microbatches(samples, payloads if groups.is_last_stage else None)
-        n_chunks, n_tokens, teacher_fill = self._global_counts(samples, micro, kd)
+        micro = self.microbatches(samples, payloads if groups.is_last_stage else None, kds,
+                                  combination)
+        counts = self._global_counts(samples, micro, kds, combination)
+        n_tokens = counts[0].item()
+        per_teacher = counts[1:].view(len(kds), 4)
+        chunks = per_teacher[:, 0].tolist()
+        # Selection: the chosen teachers' chunks share one denominator.
+        denominators = [sum(chunks)] * len(kds) if combination.selects else chunks
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
         def loss_func(m: Microbatch, logits: torch.Tensor):
-            return self._loss(kd, n_chunks, n_tokens, m, logits)
+            return self._loss(kds, combination, denominators, n_tokens, m, logits)
 
         reduced = run_schedule(self.model, self.config, groups, micro,
                                tokens=lambda m: m.batch["tokens"], loss_func=loss_func,
@@ -184,21 +229,47 @@ class StudentSide:
         t2 = device_now(self.device)
         self.times.student += t1 - t0
         self.times.optimizer += t2 - t1
-        report = torch.zeros(4, dtype=torch.float64, device=self.device)
+        n_kd = len(kds) if payloads is not None else 1
+        width = 1 + 2 * n_kd
+        report = torch.zeros(width + 1 + 2 * len(kds), dtype=torch.float64, device=self.device)
         if groups.is_last_stage and groups.coords["tp"] == 0:
-            report[:3] = torch.stack([r["report"] for r in reduced]).double().sum(0)
+            report[:width] = torch.stack([r["report"] for r in reduced]).double().sum(0)
             if groups.coords["cp"] == 0 and groups.coords["dp"] == 0:
-                report[3] = teacher_seconds  # as told by the teacher rank serving replica 0
+                report[width] = teacher_seconds  # as told by the teacher serving replica 0
+                # Global counts as the last stage has them (only it sees the choices).
+                report[width + 1:] = per_teacher[:, [0, 3]].reshape(-1).to(report)
         # Sums over DP x CP shares (and the last stage only), over the student ranks.
         dist.all_reduce(report, group=self.world)
+        return self._report(report.cpu(), width, per_teacher, combination, n_tokens,
+                            distils=payloads is not None, lr=lr, ok=ok, grad_norm=grad_norm)
+
+    @staticmethod
+    def _report(report: torch.Tensor, width: int, per_teacher: torch.Tensor,
+                combination: Combination, n_tokens: float, *, distils: bool, lr: float,
+                ok: bool, grad_norm) -> StepReport:
+        """The step's numbers from the reduced report: CE, then per teacher (KD share, top-1
+        count), the teacher's seconds, then per teacher (counted chunks, samples taught)."""
         nan = float("nan")
-        distils = payloads is not None
+        counts = report[width + 1:].view(-1, 2)
+        pooled = float(counts[:, 0].sum())
+        teachers = []
+        for k, name in enumerate(combination.names):
+            chunks = float(counts[k, 0])
+            denominator = pooled if combination.selects else chunks
+            teachers.append({
+                "name": name, "kd": float(report[1 + 2 * k]) if distils else nan,
+                "top1_agree": float(report[2 + 2 * k]) / max(denominator, 1.0) if distils else nan,
+                "chunks": chunks, "samples": float(counts[k, 1]),
+                "teacher_fill": float(per_teacher[k, 1]) / max(float(per_teacher[k, 2]), 1.0)})
+        first = teachers[0]
+        several = len(teachers) > 1
+        kd = sum(w * t["kd"] for w, t in zip(combination.weights, teachers)) if several else \
+            first["kd"]
         return StepReport(
-            kd=report[0].item() if distils else nan, ce=report[1].item(),
-            top1_agree=report[2].item() / max(n_chunks, 1.0) if distils else nan,
+            kd=kd, ce=float(report[0]), top1_agree=nan if several else first["top1_agree"],
             grad_norm=float(grad_norm) if grad_norm is not None else nan, lr=lr,
-            skipped=not ok, chunks=n_chunks, tokens=n_tokens, teacher_fill=teacher_fill,
-            teacher_seconds=report[3].item())
+            skipped=not ok, chunks=pooled, tokens=n_tokens, teacher_fill=first["teacher_fill"],
+            teacher_seconds=float(report[width]), teachers=teachers if several else None)
 
     # ------------------------------------------------------------------ evaluation
     @contextlib.contextmanager
@@ -222,7 +293,7 @@ class StudentSide:
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
 
         def ce_sums(batch: dict, logits: torch.Tensor):
-            terms = kd.student_terms(logits, batch)
+            terms = kd.student_terms(logits, teacher_view(batch, 0))
             return terms.ce_sum, torch.tensor(1, dtype=torch.int), {
                 "sum": torch.stack([terms.ce_sum.detach().double(), terms.ce_count.double()])}
 

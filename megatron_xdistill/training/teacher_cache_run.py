@@ -8,10 +8,11 @@ import time
 import torch.distributed as dist
 
 
-def open_teacher_cache(args, aligner, log=print):
+def open_teacher_cache(args, tokenizers, log=print):
     """``(cache, teacher ModelInfo, samples of the plan)``. Every rank compares the cache's key
     with this run's before any model is built or any collective runs, so a mismatch stops all
-    ranks alike with the differing fields named."""
+    ranks alike with the differing fields named. ``tokenizers``: the run's
+    ``data.tokenizations.SampleTokenizers`` (one teacher)."""
     from megatron_xdistill import models as models_api
     from megatron_xdistill.data.sources import parse_data_path
     from megatron_xdistill.loss import payload_spec
@@ -34,7 +35,9 @@ def open_teacher_cache(args, aligner, log=print):
     common = None
     if form == "gold":
         rule = "strict" if args.kd_loss == "gold" else "xtoken"
-        common = load_or_build_projection(args, log).common_vocab(rule)[1]
+        shared = (min(teacher_info.vocab_size, models_api.load_model_info(args.load).vocab_size)
+                  if tokenizers.same_tokenizer[0] else None)
+        common = load_or_build_projection(args, log, shared).common_vocab(rule)[1]
     spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
                         topk=args.kd_topk or None,
                         num_common=None if common is None else len(common))
@@ -42,8 +45,8 @@ def open_teacher_cache(args, aligner, log=print):
                else cache.manifest.key["teacher"]["checkpoint"])  # reading without a teacher
     key = run_key(
         teacher_checkpoint=teacher, bf16=args.bf16,
-        student_vocab_hash=vocab_hash(aligner.student_tokenizer),
-        teacher_vocab_hash=vocab_hash(aligner.teacher_tokenizer),
+        student_vocab_hash=vocab_hash(tokenizers.student_tokenizer),
+        teacher_vocab_hash=vocab_hash(tokenizers.teacher_tokenizers[0]),
         sources=parse_data_path(args.data_path, "--data-path"), text_field=args.text_field,
         seq_length=args.seq_length, teacher_seq_length=args.teacher_seq_length, seed=args.seed,
         num_samples=num_samples, form=form, topk=args.kd_topk, temperature=args.kd_temperature,

@@ -3,7 +3,7 @@ makes for a global batch.
 
 A rank holds a ``TeacherSide`` whether or not it runs a teacher shard (a CE-only run, a run that
 reads a teacher cache, a disaggregated student rank): ``model`` is None then and nothing is run.
-Several teachers will be several of these.
+With several teachers a rank holds one per teacher, each in its own layout.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import torch
 
 from megatron_xdistill import models as models_api
-from megatron_xdistill.data.dataset import collate_samples
+from megatron_xdistill.data.dataset import collate_samples, teacher_view
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.sample_owners import teacher_block
 from megatron_xdistill.training import arguments
@@ -51,9 +51,11 @@ class TeacherSide:
         """This rank's shard ends the teacher's pipeline: the payloads are made here."""
         return self.runs and self.groups.is_last_stage
 
-    def forward(self, samples: dict[int, dict], kd: KDObjective) -> dict[int, torch.Tensor]:
+    def forward(self, samples: dict[int, dict], kd: KDObjective,
+                index: int = 0) -> dict[int, torch.Tensor]:
         """Flat payload rows by sample position of this replica's block (last stage; other
-        stages return an empty dict)."""
+        stages return an empty dict). ``index``: which of the run's teachers this is (its
+        tokens and chunks in the samples)."""
         block = teacher_block(self.args.global_batch_size, self.groups.layout.dp,
                               self.groups.coords["dp"])
         mbs = self.micro_batch_size
@@ -65,7 +67,8 @@ class TeacherSide:
             return torch.zeros(()), {}
 
         run_schedule(self.model, self.config, self.groups,
-                     [collate_samples([samples[i] for i in ids]) for ids in micro],
+                     [teacher_view(collate_samples([samples[i] for i in ids]), index)
+                      for ids in micro],
                      tokens=lambda batch: batch["teacher_tokens"], loss_func=payload_rows,
                      seq_length=self.args.teacher_seq_length, micro_batch_size=mbs,
                      device=self.device, forward_only=True)

@@ -1,0 +1,180 @@
+"""Which teachers a run distils from: one from the ``--teacher-*`` flags, or several from a YAML
+file (``--teachers-config teachers.yaml``).
+
+Each teacher is a full teacher side: its checkpoint, tokenizer, layout (TP/CP/PP), projection,
+loss mode, payload form, temperature and weight. A key a teacher's entry leaves out takes the
+run's flag of the same concept, so settings shared by all teachers are written once::
+
+    teachers:
+      - name: qwen
+        load: /ckpt/qwen2.5-coder-0.5b
+        tokenizer_model: /tok/qwen2.5
+        tensor_model_parallel_size: 2
+        weight: 0.7
+      - name: llama3b               # shares the student's tokenizer: direct KL, no projection
+        load: /ckpt/llama-3.2-3b
+        tokenizer_model: /tok/llama-3.2
+        kd_topk: 128
+        weight: 0.3
+    combination: sum                # or select (one teacher per sample: the lowest CE on its text)
+
+Downstream code sees each teacher as an ``argparse.Namespace`` in the single-teacher flag names
+(:meth:`TeacherSpec.view`), so the teacher side and the loss glue serve one or many alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+from dataclasses import dataclass, replace
+
+COMBINATIONS = ("sum", "select")
+
+# YAML key -> the run's flag (its argparse dest) it defaults to and stands for in a teacher's view.
+_FLAG_OF = {
+    "load": "teacher_load",
+    "tokenizer_model": "teacher_tokenizer_model",
+    "projection_path": "projection_path",
+    "tensor_model_parallel_size": "teacher_tensor_model_parallel_size",
+    "pipeline_model_parallel_size": "teacher_pipeline_model_parallel_size",
+    "context_parallel_size": "teacher_context_parallel_size",
+    "sequence_parallel": "teacher_sequence_parallel",
+    "seq_length": "teacher_seq_length",
+    "kd_loss": "kd_loss",
+    "kd_topk": "kd_topk",
+    "kd_topk_mode": "kd_topk_mode",
+    "kd_temperature": "kd_temperature",
+    "kd_reverse": "kd_reverse",
+    "weight": "kd_weight",
+}
+_TYPES = {"load": str, "tokenizer_model": str, "projection_path": str,
+          "tensor_model_parallel_size": int, "pipeline_model_parallel_size": int,
+          "context_parallel_size": int, "sequence_parallel": bool, "seq_length": int,
+          "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_temperature": float,
+          "kd_reverse": bool, "weight": float}
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One teacher of the run, in the run's flag vocabulary (see ``_FLAG_OF``)."""
+
+    name: str
+    load: str | None
+    tokenizer_model: str
+    projection_path: str | None
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    context_parallel_size: int
+    sequence_parallel: bool
+    seq_length: int | None  # None: derived from the data
+    kd_loss: str
+    kd_topk: int
+    kd_topk_mode: str
+    kd_temperature: float
+    kd_reverse: bool
+    weight: float
+
+    def view(self, args: argparse.Namespace) -> argparse.Namespace:
+        """The run's arguments as this teacher sees them: a copy with this teacher's values in
+        the single-teacher flags (``teacher_load``, ``kd_topk``, ``kd_weight`` ...)."""
+        out = copy.copy(args)
+        for key, dest in _FLAG_OF.items():
+            setattr(out, dest, getattr(self, key))
+        out.teacher_name = self.name
+        return out
+
+    def with_seq_length(self, seq_length: int) -> TeacherSpec:
+        return replace(self, seq_length=seq_length)
+
+
+def _from_flags(args: argparse.Namespace, name: str, entry: dict) -> TeacherSpec:
+    values = {key: entry.get(key, getattr(args, dest)) for key, dest in _FLAG_OF.items()}
+    return TeacherSpec(name=name, **values)
+
+
+def single_teacher(args: argparse.Namespace) -> TeacherSpec:
+    """The one teacher of the ``--teacher-*`` flags. Under ``--kd-dynamic-scaling`` the KD term
+    is rescaled to CE's magnitude and ``--kd-weight`` does not apply (weight 1), as always."""
+    spec = _from_flags(args, "teacher", {})
+    return replace(spec, weight=1.0) if args.kd_dynamic_scaling else spec
+
+
+def _typed(value, key: str, where: str):
+    kind = _TYPES[key]
+    if value is None:
+        return None
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: {key} is true or false, got {value!r}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{where}: {key} must be a path or name (text), got {value!r}")
+    if kind in (int, float) and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise ValueError(f"{where}: {key} must be {'an integer' if kind is int else 'a number'}, "
+                         f"got {value!r}")
+    return value
+
+
+def read_teachers_config(path: str) -> tuple[list[dict], str | None]:
+    """The entries of a teachers YAML file (OmegaConf, interpolations resolved) and its
+    ``combination`` (None when the file does not set it)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not os.path.isfile(path):
+        raise ValueError(f"--teachers-config {path}: no such file")
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    except (OmegaConfBaseException, OSError, ValueError) as exc:
+        raise ValueError(f"--teachers-config {path}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("teachers"), list):
+        raise ValueError(f"--teachers-config {path}: expected a mapping with a 'teachers' list "
+                         f"(one entry per teacher: load, tokenizer_model, ...)")
+    unknown = set(data) - {"teachers", "combination"}
+    if unknown:
+        raise ValueError(f"--teachers-config {path}: unknown top-level key(s) {sorted(unknown)} "
+                         f"(expected 'teachers' and optionally 'combination')")
+    if not data["teachers"]:
+        raise ValueError(f"--teachers-config {path}: 'teachers' is empty")
+    return data["teachers"], data.get("combination")
+
+
+def teachers_from_args(args: argparse.Namespace) -> tuple[list[TeacherSpec], str]:
+    """``(teachers, combination)`` of a run: the ``--teacher-*`` flags' one teacher, or the
+    entries of ``--teachers-config`` (unset keys from the flags). Errors name the file, the
+    entry and the key."""
+    path = getattr(args, "teachers_config", None)
+    combination = getattr(args, "teacher_combination", None)
+    if path is None:
+        return [single_teacher(args)], combination or "sum"
+    entries, file_combination = read_teachers_config(path)
+    allowed = {"name", *_FLAG_OF}
+    specs, names = [], set()
+    for k, entry in enumerate(entries):
+        where = f"--teachers-config {path}: teachers[{k}]"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected a mapping (load: ..., tokenizer_model: ...), "
+                             f"got {entry!r}")
+        extra = set(entry) - allowed
+        if extra:
+            raise ValueError(f"{where}: unknown key(s) {sorted(extra)}; a teacher takes "
+                             f"{sorted(allowed)}")
+        typed = {key: _typed(v, key, where) for key, v in entry.items() if key != "name"}
+        name = str(entry.get("name", f"teacher{k}"))
+        if name in names:
+            raise ValueError(f"{where}: name {name!r} is used twice; give each teacher its own")
+        names.add(name)
+        spec = _from_flags(args, name, typed)
+        if spec.tokenizer_model is None:
+            raise ValueError(f"{where}: no tokenizer_model (and no --teacher-tokenizer-model "
+                             f"to default to)")
+        specs.append(spec)
+    chosen = combination or file_combination or "sum"
+    if chosen not in COMBINATIONS:
+        raise ValueError(f"--teachers-config {path}: combination must be one of "
+                         f"{list(COMBINATIONS)}, got {chosen!r}")
+    return specs, chosen
+
