@@ -187,6 +187,74 @@ def test_two_teachers_step_equals_the_weighted_sum_of_single_teacher_references(
         assert err <= 1e-4 * scale + rounding, f"{key} step differs by {err:.3g} ({scale:.3g})"
 
 
+def _two_step_run(setup, name: str, world: int, qwen: dict, peer: dict,
+                  extra: list[str] = ()) -> list[dict]:
+    """A two-step run of both teachers (sum, Adam); its records that carry losses."""
+    root, s_tok, t_tok, peer_root = setup
+    argv = _argv_two(root, s_tok, t_tok, peer_root, name, "sum", qwen, peer, list(extra))
+    argv[argv.index("--train-iters") + 1] = "2"
+    argv[argv.index("--data-cache-path") + 1] = str(root / "two_step_plans")
+    with RankPool(world) as pool:
+        pool.run(_run_main, argv)
+    path = root / f"{name}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if "kd/qwen" in x] \
+        if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def colocated_two_steps(setup):
+    """Both teachers colocated on one rank, online; qwen's payloads also go to its cache."""
+    root = setup[0]
+    return _two_step_run(setup, "two_coloc", 1, {"cache": str(root / "cache_qwen")}, {})
+
+
+def _same_steps(got: list[dict], want: list[dict], rel: float) -> None:
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want, strict=True):
+        for key in ("kd", "ce", "kd/qwen", "kd/peer", "chunks/qwen", "chunks/peer", "grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=rel), (key, g, w)
+
+
+def test_disaggregated_teachers_on_their_own_ranks_match_the_reference(setup, first_batch,
+                                                                      colocated_two_steps):
+    """Student on rank 0, qwen on rank 1, peer on rank 2 (each teacher its own 'ranks'), both
+    streaming the next batch while the student trains: step 1 equals the dense reference, and
+    both steps equal the colocated run."""
+    root, _, _, peer_root = setup
+    runs = _two_step_run(setup, "two_disagg", 3, {"ranks": 1}, {"ranks": 1},
+                         ["--teacher-placement", "disaggregated"])
+    with torch.no_grad():
+        rows = _per_sample_terms(root, peer_root, first_batch, _hf(root / "student_hf"))
+    q_sum, q_n, p_sum, p_n, ce_sum, ce_n = (sum(r[i] for r in rows) for i in range(6))
+    assert runs[0]["kd/qwen"] == pytest.approx(float(q_sum / q_n), rel=RTOL)
+    assert runs[0]["kd/peer"] == pytest.approx(float(p_sum / p_n), rel=RTOL)
+    assert runs[0]["ce"] == pytest.approx(float(ce_sum / ce_n), rel=RTOL)
+    _same_steps(runs, colocated_two_steps, RTOL)
+    assert all(r["time_teacher/qwen"] > 0 and r["time_teacher/peer"] > 0 for r in runs)
+
+
+def test_each_teacher_has_its_own_payload_cache(setup, colocated_two_steps):
+    """Each teacher's 'cache'. The colocated run filled qwen's as it trained; a teacher-only
+    pass over both caches skips qwen's (complete) and fills the peer's; a run reading both (no
+    teacher is loaded or run) trains exactly as the run that computed the payloads online."""
+    root = setup[0]
+    caches = ({"cache": str(root / "cache_qwen")}, {"cache": str(root / "cache_peer")})
+    def shards(teacher: str) -> list[str]:
+        return sorted(p.name for p in (root / f"cache_{teacher}" / "shards").iterdir())
+
+    def complete(teacher: str) -> bool:
+        manifest = json.loads((root / f"cache_{teacher}" / "manifest.json").read_text())
+        return manifest["complete"] and manifest["num_samples"] == 2 * GBS
+
+    filled = shards("qwen")
+    assert complete("qwen") and not (root / "cache_peer").exists()
+    assert _two_step_run(setup, "two_pass", 1, *caches, ["--teacher-cache-only"]) == []
+    assert complete("peer") and shards("qwen") == filled  # qwen's was not recomputed
+    runs = _two_step_run(setup, "two_read", 1, *caches)
+    _same_steps(runs, colocated_two_steps, 1e-6)
+    assert all(r["time_teacher"] == 0.0 for r in runs)  # no teacher ran
+
+
 # Chinese: the Qwen2 tokenizer takes about a third of SmolLM2's tokens for it, so the qwen
 # teacher's text CE (a sum over its own tokens) is the lower one there, the peer's on English.
 CHINESE = ("北京是中华人民共和国的首都，也是全国的政治、文化和国际交往中心。这座城市有三千多年的"
@@ -254,8 +322,13 @@ def _teacher(tmp_path: Path, **keys) -> dict:
     ("one_select", [], 1, "--teacher-combination select picks one of several teachers"),
     ("tp3", [], 2, "teacher 'b'"),
     ("two", ["--teacher-placement", "disaggregated", "--teacher-ranks", "1"], 2,
-     "drop --teacher-placement disaggregated"),
+     "the teachers' ranks (1 + 1 = 2) leave no student rank in world size 2"),
+    ("two", ["--teacher-placement", "disaggregated"], 3, "teacher 'teacher0' needs its own "
+     "ranks"),
     ("topk_text", [], 1, "teachers[1]: kd_topk must be an integer"),
+    ("same_cache", [], 1, "each teacher needs a cache directory of its own"),
+    ("only_one_cache", ["--teacher-cache-only"], 1,
+     "--teacher-cache-only fills each teacher's cache: teacher 'b' has none"),
 ])
 def test_bad_teachers_files_are_named(tmp_path, config, extra, world, message):
     t = _teacher(tmp_path)
@@ -268,6 +341,10 @@ def test_bad_teachers_files_are_named(tmp_path, config, extra, world, message):
                              {**t, "name": "b", "tensor_model_parallel_size": 3}]},
         "two": {"teachers": [t, t]},
         "topk_text": {"teachers": [t, {**t, "kd_topk": "many"}]},
+        "same_cache": {"teachers": [{**t, "cache": str(tmp_path / "c")},
+                                    {**t, "cache": str(tmp_path / "c")}]},
+        "only_one_cache": {"teachers": [{**t, "name": "a", "cache": str(tmp_path / "c")},
+                                        {**t, "name": "b"}]},
     }
     with pytest.raises(ValueError) as err:
         _parse(tmp_path, configs[config] if isinstance(config, str) else config, extra, world)
@@ -285,3 +362,23 @@ def test_teachers_file_defaults_come_from_the_flags(tmp_path):
     assert args.teacher_combination == "select"
     view = args.teachers[0].view(args)
     assert view.kd_topk == 8 and view.teacher_load == str(tmp_path) and view.teacher_name == "a"
+
+
+def test_disaggregated_teachers_get_ranks_of_their_own(tmp_path):
+    """Disaggregated: the student's ranks first, then each teacher's own 'ranks', in order; a
+    teacher's layout must fit its own ranks."""
+    from megatron_xdistill.parallel.placement import Placement
+
+    t = _teacher(tmp_path)
+    disagg = ["--teacher-placement", "disaggregated"]
+    config = {"teachers": [{**t, "name": "a", "ranks": 2, "tensor_model_parallel_size": 2},
+                           {**t, "name": "b", "ranks": 1}]}
+    args = _parse(tmp_path, config, disagg, world=4)
+    placement = Placement.from_args(args, 4)
+    assert placement.student_global_ranks() == [0]
+    assert placement.teacher_global_ranks_of(0) == [1, 2]
+    assert placement.teacher_global_ranks_of(1) == [3]
+    assert [placement.is_teacher_of(3, k) for k in (0, 1)] == [False, True]
+    config["teachers"][0]["ranks"] = 1  # TP 2 on one rank
+    with pytest.raises(ValueError, match="teacher 'a'"):
+        _parse(tmp_path, config, disagg, world=3)

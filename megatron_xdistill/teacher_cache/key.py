@@ -15,9 +15,11 @@ def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
             teacher_vocab_hash: str, sources: Sequence, text_field: str, seq_length: int,
             teacher_seq_length: int, seed: int, num_samples: int, form: str, topk: int,
             temperature: float, numel: int, common_teacher_ids=None,
-            split: str | None = None) -> dict:
+            split: str | None = None, packed_with: Sequence | None = None) -> dict:
     """Nested key: ``teacher``, ``tokenizers``, ``data`` (files by name and size: a copied
-    corpus keeps its cache; each sample's tokens are checked on read anyway) and ``payload``."""
+    corpus keeps its cache; each sample's tokens are checked on read anyway) and ``payload``.
+    ``packed_with``: with several teachers, every teacher's (vocabulary hash, sequence length),
+    since all of them decide where samples are cut."""
     common = None
     if common_teacher_ids is not None:
         ids = torch.as_tensor(common_teacher_ids, dtype=torch.int64).numpy().tobytes()
@@ -29,7 +31,8 @@ def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
                            for s in sources],
                  "text_field": text_field, "seq_length": seq_length,
                  "teacher_seq_length": teacher_seq_length, "seed": seed,
-                 "num_samples": num_samples, **({} if split is None else {"split": split})},
+                 "num_samples": num_samples, **({} if split is None else {"split": split}),
+                 **({} if packed_with is None else {"packed_with": [list(p) for p in packed_with]})},
         "payload": {"form": form, "topk": topk, "temperature": temperature,
                     "common_vocab": common, "numel": numel},
     }

@@ -30,8 +30,11 @@ from .store import (
 class TeacherCache:
     """One rank's handle on the cache folder (see the module docstring)."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, teacher: int = 0) -> None:
+        """``teacher``: which of the run's teachers the cache holds (its tokens in the
+        samples)."""
         self.root = Path(root)
+        self.teacher = teacher
         if self.root.exists() and not self.root.is_dir():
             raise CacheError(f"--teacher-cache {self.root} exists and is not a directory")
         self.manifest = load_manifest(self.root)
@@ -79,14 +82,14 @@ class TeacherCache:
             return
         for position, payload in payloads.items():
             sample = samples[position]
-            self.writer.add(sample["index"], sample_check(sample), payload)
+            self.writer.add(sample["index"], sample_check(sample, self.teacher), payload)
 
     def fetch(self, samples: Mapping[int, dict], positions, device: torch.device
               ) -> dict[int, torch.Tensor]:
         """Payloads of the samples at ``positions`` of the global batch, checked, on ``device``."""
         if self.reader is None:
             return {}
-        rows = self.reader.read((samples[p]["index"], sample_check(samples[p]))
+        rows = self.reader.read((samples[p]["index"], sample_check(samples[p], self.teacher))
                                 for p in positions)
         return {p: rows[samples[p]["index"]].to(device) for p in positions}
 

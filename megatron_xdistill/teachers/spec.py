@@ -11,12 +11,15 @@ run's flag of the same concept, so settings shared by all teachers are written o
         tokenizer_model: /tok/qwen2.5
         tensor_model_parallel_size: 2
         weight: 0.7
-      - name: llama3b               # shares the student's tokenizer: direct KL, no projection
+      - name: llama3b               # shares the student's tokenizer: token-level KL, no projection
         load: /ckpt/llama-3.2-3b
         tokenizer_model: /tok/llama-3.2
         kd_topk: 128
         weight: 0.3
     combination: sum                # or select (one teacher per sample: the lowest CE on its text)
+
+With ``--teacher-placement disaggregated`` each teacher also takes ``ranks`` (default
+``--teacher-ranks``): its own ranks, after the student's, in the order listed.
 
 Downstream code sees each teacher as an ``argparse.Namespace`` in the single-teacher flag names
 (:meth:`TeacherSpec.view`), so the teacher side and the loss glue serve one or many alike.
@@ -47,12 +50,14 @@ _FLAG_OF = {
     "kd_temperature": "kd_temperature",
     "kd_reverse": "kd_reverse",
     "weight": "kd_weight",
+    "ranks": "teacher_ranks",
+    "cache": "teacher_cache",
 }
 _TYPES = {"load": str, "tokenizer_model": str, "projection_path": str,
           "tensor_model_parallel_size": int, "pipeline_model_parallel_size": int,
           "context_parallel_size": int, "sequence_parallel": bool, "seq_length": int,
           "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_temperature": float,
-          "kd_reverse": bool, "weight": float}
+          "kd_reverse": bool, "weight": float, "ranks": int, "cache": str}
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,8 @@ class TeacherSpec:
     kd_temperature: float
     kd_reverse: bool
     weight: float
+    ranks: int | None = None  # disaggregated: how many ranks serve this teacher
+    cache: str | None = None  # its teacher payload cache directory
 
     def view(self, args: argparse.Namespace) -> argparse.Namespace:
         """The run's arguments as this teacher sees them: a copy with this teacher's values in

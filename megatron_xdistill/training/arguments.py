@@ -198,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distil from several teachers: a YAML list under 'teachers', each with "
                    "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
                    "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
-                   "kd_reverse and weight (unset keys: the --teacher-* / --kd-* flags). A "
-                   "teacher with the student's tokenizer takes a direct token-level KL (no "
-                   "projection). Colocated: the teachers run one after the other on every rank")
+                   "kd_reverse, weight and ranks (unset keys: the --teacher-* / --kd-* "
+                   "flags). A teacher with the student's tokenizer takes a direct token-level "
+                   "KL (no projection). Colocated: the teachers run one after the other on every "
+                   "rank; disaggregated: each on its own 'ranks' (after the student's), all "
+                   "computing the next batch while the student trains")
     g.add_argument("--teacher-combination", choices=COMBINATIONS, default=None,
                    help="sum: L = sum_k weight_k * KD_k + ce_weight * CE; select: per sample, "
                    "only the teacher with the lowest CE on the sample's text (nats, summed over "
@@ -289,18 +291,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            "only")
     _check(args.recompute_num_layers is None or args.recompute_num_layers >= 1,
            f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
-    placement = Placement.from_args(args, world_size)  # raises with what to change
     args.teachers, args.teacher_combination = teachers_from_args(args)
     several = len(args.teachers) > 1
+    placement = Placement.from_args(args, world_size)  # raises with what to change
     dp_student = _check_layout(args, "student", placement, world_size)
     _check(args.global_batch_size % (args.micro_batch_size * dp_student) == 0,
            f"--global-batch-size {args.global_batch_size} must be a multiple of "
            f"--micro-batch-size x student data-parallel size = {args.micro_batch_size} x "
            f"{dp_student}")
-    for spec in args.teachers:
+    for k, spec in enumerate(args.teachers):
         view = spec.view(args)
         who = f"teacher {spec.name!r}" if several else "teacher"
-        dp_teacher = _check_layout(view, "teacher", placement, world_size, who)
+        dp_teacher = _check_layout(view, "teacher", placement, world_size, who,
+                                   ranks=placement.teacher_size_of(k))
         _check(args.global_batch_size % dp_teacher == 0,
                f"--global-batch-size {args.global_batch_size} must be a multiple of the "
                f"{who}'s data-parallel size {dp_teacher}")
@@ -331,13 +334,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check(several or args.teacher_combination == "sum",
            "--teacher-combination select picks one of several teachers per sample: give "
            "--teachers-config with two or more teachers")
-    if several:
-        _check(not placement.disaggregated,
-               "--teachers-config with several teachers runs them colocated (one after the "
-               "other on every rank) for now: drop --teacher-placement disaggregated")
-        _check(args.teacher_cache is None and not args.teacher_cache_only,
-               "--teacher-cache holds one teacher's payloads: not yet with several teachers "
-               "(--teachers-config); drop --teacher-cache")
     _check(not (args.optimizer == "sgd" and args.use_distributed_optimizer),
            "--optimizer sgd does not work with --use-distributed-optimizer: Megatron-Core's "
            "distributed optimizer shards Adam's state only (use --optimizer adam, or drop "
@@ -392,9 +388,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
 
 def _check_layout(args: argparse.Namespace, side: str, placement: Placement, world_size: int,
-                  who: str | None = None) -> int:
+                  who: str | None = None, ranks: int | None = None) -> int:
     """One side's TP / PP / CP against its ranks and its sequence length; returns its DP.
-    ``side``: "student" or "teacher" (then ``args`` is a teacher's view); ``who`` names it."""
+    ``side``: "student" or "teacher" (then ``args`` is a teacher's view, ``ranks`` its ranks);
+    ``who`` names it."""
     who = who or side
     prefix = "" if side == "student" else "teacher_"
     tp = getattr(args, f"{prefix}tensor_model_parallel_size")
@@ -404,9 +401,11 @@ def _check_layout(args: argparse.Namespace, side: str, placement: Placement, wor
     _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
     flags = (f"{flag}tensor-model-parallel-size / {flag}pipeline-model-parallel-size / "
              f"{flag}context-parallel-size")
-    ranks = placement.student_size if side == "student" else placement.teacher_size
+    if ranks is None:
+        ranks = placement.student_size if side == "student" else placement.teacher_size
     if placement.disaggregated:
-        split = ("--teacher-ranks" if side == "teacher" else
+        split = (("its 'ranks'" if placement.teacher_split else "--teacher-ranks")
+                 if side == "teacher" else
                  f"world size {world_size} - --teacher-ranks {placement.teacher_size}")
         subject = f"the {who}'s {ranks} ranks ({split}) are"
         fix = f"{flags}, --teacher-ranks or the number of ranks (torchrun --nproc-per-node)"
@@ -451,12 +450,8 @@ def check_sequence_length(args: argparse.Namespace, who: str, seq: int) -> None:
 
 
 def _check_teacher_cache(args: argparse.Namespace) -> None:
-    """--teacher-cache / --teacher-cache-only / --teacher-load together."""
-    from megatron_xdistill.teacher_cache import cache_is_complete
-
-    cache = args.teacher_cache
-    _check(not args.teacher_cache_only or cache is not None,
-           "--teacher-cache-only needs --teacher-cache DIR (where the payloads go)")
+    """--teacher-cache / --teacher-cache-only / --teacher-load together (each teacher's cache,
+    load and name with several teachers)."""
     _check(args.teacher_cache_shard_mib >= 1, "--teacher-cache-shard-mib must be >= 1")
     _check(args.teacher_cache_commit_seconds > 0, "--teacher-cache-commit-seconds must be > 0")
     _check(args.wandb_project is not None or (args.wandb_exp_name is None
@@ -465,24 +460,41 @@ def _check_teacher_cache(args: argparse.Namespace) -> None:
            "--wandb-exp-name / --wandb-save-dir / --wandb-entity need --wandb-project")
     _check(args.exit_duration_in_mins is None or args.exit_duration_in_mins >= 0,
            "--exit-duration-in-mins must be >= 0")
+    several = len(args.teachers) > 1
+    if several:
+        dirs = [os.path.abspath(spec.cache) for spec in args.teachers if spec.cache is not None]
+        _check(len(set(dirs)) == len(dirs),
+               "each teacher needs a cache directory of its own (its 'cache' in "
+               "--teachers-config; --teacher-cache alone would give them all the same one)")
+    for spec in args.teachers:
+        _check_one_cache(args, spec, f"teacher {spec.name!r}: " if several else "")
+
+
+def _check_one_cache(args: argparse.Namespace, spec, who: str) -> None:
+    from megatron_xdistill.teacher_cache import cache_is_complete
+
+    cache = spec.cache
+    flag = f"{who}cache" if who else "--teacher-cache"
+    _check(not args.teacher_cache_only or cache is not None,
+           f"--teacher-cache-only fills each teacher's cache: {who[:-2]} has none (give it "
+           f"'cache: DIR' in --teachers-config)" if who else
+           "--teacher-cache-only needs --teacher-cache DIR (where the payloads go)")
     if cache is None:
-        for spec in args.teachers:
-            _check(spec.load is not None,
-                   (f"--teachers-config: teacher {spec.name!r} has no load (its checkpoint)"
-                    if len(args.teachers) > 1 else "--teacher-load is required (the teacher "
-                    "checkpoint), unless --teacher-cache holds a complete cache"))
+        _check(spec.load is not None,
+               f"--teachers-config: {who}no load (its checkpoint)" if who else
+               "--teacher-load is required (the teacher checkpoint), unless --teacher-cache "
+               "holds a complete cache")
         return
     _check(not trains_ce_only(args),
            "--teacher-cache with --kd-weight 0: CE alone uses no teacher payloads")
-    complete = cache_is_complete(cache)
-    if complete:
+    if cache_is_complete(cache):
         _check(getattr(args, "teacher_placement", "colocated") == "colocated",
-               f"--teacher-cache {cache} is complete: no teacher runs, so there are no teacher "
+               f"{flag} {cache} is complete: no teacher runs, so there are no teacher "
                f"ranks to place; drop --teacher-placement disaggregated")
     else:
-        _check(args.teacher_load is not None,
-               f"--teacher-cache {cache} is not complete: filling it needs the teacher "
-               f"(--teacher-load)")
+        _check(spec.load is not None,
+               f"{flag} {cache} is not complete: filling it needs the teacher "
+               f"({'its load' if who else '--teacher-load'})")
     _check(not (args.teacher_cache_only
                 and getattr(args, "teacher_placement", "colocated") != "colocated"),
            "--teacher-cache-only: every rank serves the teacher; drop --teacher-placement")

@@ -18,6 +18,11 @@ global batch k+1 while the student ranks run step 3 on batch k; student ranks re
 payloads (posted one step ahead) and run step 3. The payloads are the same numbers as colocated,
 so are the losses.
 
+Several teachers (``--teachers-config``): each is a lane (:class:`TeacherLane`: its layout,
+groups, side, loss glue, routes and transport). Colocated, every rank runs the teachers' shards
+one after the other; disaggregated, each teacher has its own ranks after the student's (its
+``ranks``), and all of them stream batch k+1 while the student trains on batch k.
+
 This module only sets the run up (layouts, groups, the two sides, the transport) and routes a
 step between the sides.
 """
@@ -90,19 +95,26 @@ class TeacherLane:
     kd: kd_adapter.KDObjective
     routes: list
     index: int = 0
-    transport: RoutedTransport | None = None
+    cache: object | None = None  # its teacher_cache.TeacherCache
+    transport: RoutedTransport | RoutedStream | None = None
     seconds: float = 0.0
+    fill_from: int = 0  # teacher-only pass: the first step its cache does not hold
+
+    @property
+    def reads_cache(self) -> bool:
+        return self.cache is not None and self.cache.reading
 
 
 class Distiller:
     """Sets up both sides and the transport between them; runs steps and evaluation."""
 
-    def __init__(self, args, init_weights: bool = True, log=print, cache=None,
+    def __init__(self, args, init_weights: bool = True, log=print, caches=None,
                  teacher_only: bool = False, same_tokenizer: list[bool] | None = None) -> None:
-        """``cache``: the run's ``teacher_cache.TeacherCache`` (read: no teacher is built;
-        write: the sending teacher ranks also record the payloads). ``teacher_only``: no
-        student (the teacher-only pass that fills a cache). ``same_tokenizer[k]``: teacher k
-        uses the student's tokenizer (``args.teachers``, default one teacher from the flags)."""
+        """``caches[k]``: teacher k's ``teacher_cache.TeacherCache`` or None (read: that
+        teacher is not built; write: its sending ranks also record the payloads).
+        ``teacher_only``: no student (the teacher-only pass that fills the caches).
+        ``same_tokenizer[k]``: teacher k uses the student's tokenizer (``args.teachers``,
+        default one teacher from the flags)."""
         self.args = args
         self.log = log
         self.rank = dist.get_rank()
@@ -119,9 +131,9 @@ class Distiller:
         same_tokenizer = same_tokenizer or [False] * len(specs)
         views = [spec.view(args) for spec in specs]
         teacher_layouts = [ParallelLayout.for_world(
-            placement.teacher_size, v.teacher_tensor_model_parallel_size,
+            placement.teacher_size_of(k), v.teacher_tensor_model_parallel_size,
             v.teacher_context_parallel_size, v.teacher_pipeline_model_parallel_size,
-            who=f"teacher {v.teacher_name!r}") for v in views]
+            who=f"teacher {v.teacher_name!r}") for k, v in enumerate(views)]
         # Sequence parallelism gathers into Megatron's global scratch buffer, which
         # initialize_model_parallel would make; these layouts come from pg_collections instead.
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:
@@ -129,35 +141,43 @@ class Distiller:
         # Group creation is collective over the world: every rank builds both sides' groups.
         self.student_groups = build_model_parallel_groups(self.student_layout,
                                                           placement.student_offset)
-        teacher_groups = [build_model_parallel_groups(layout, placement.teacher_offset)
-                          for layout in teacher_layouts]
-        self.cache = cache
-        reads_cache = cache is not None and cache.reading
+        teacher_groups = [build_model_parallel_groups(layout, placement.teacher_offset_of(k))
+                          for k, layout in enumerate(teacher_layouts)]
+        caches = caches or [None] * len(views)
+        reads = [cache is not None and cache.reading for cache in caches]
         has_student = placement.is_student(self.rank) and not teacher_only
         # --kd-weight 0 (without dynamic scaling) trains on CE alone: the teacher's output
         # would be multiplied by 0, so it is neither loaded nor run.
         self.ce_only = trains_ce_only(args)
-        runs_teacher = placement.is_teacher(self.rank) and not self.ce_only and not reads_cache
+        runs = [placement.is_teacher_of(self.rank, k) and not self.ce_only and not reads[k]
+                for k in range(len(views))]
         # Disaggregated: each side's own "world" (checkpoint loads; the student's metrics and
-        # evaluation). None: the whole world.
-        student_world = teacher_world = None
+        # evaluation), one per teacher. None: the whole world.
+        student_world = None
+        teacher_worlds = [None] * len(views)
         if placement.disaggregated:
             if self.device.type == "cuda":  # the world's group is NCCL: one rank per GPU
                 check_one_rank_per_gpu(range(world), gpu_of_ranks(self.device))
             student_world = dist.new_group(placement.student_global_ranks())
-            teacher_world = dist.new_group(placement.teacher_global_ranks())
-            first_t = placement.teacher_offset
-            log(f"> teacher placement disaggregated: student on ranks 0-{first_t - 1} "
-                f"({_describe(self.student_layout)}), teacher on ranks {first_t}-{world - 1} "
-                f"({_describe(teacher_layouts[0])})")
+            teacher_worlds = [dist.new_group(placement.teacher_global_ranks_of(k))
+                              for k in range(len(views))]
+            where = ", ".join(
+                f"{'teacher' if len(views) == 1 else repr(v.teacher_name)} on ranks "
+                f"{placement.teacher_offset_of(k)}-"
+                f"{placement.teacher_offset_of(k) + placement.teacher_size_of(k) - 1} "
+                f"({_describe(teacher_layouts[k])})" for k, v in enumerate(views))
+            log(f"> teacher placement disaggregated: student on ranks "
+                f"0-{placement.teacher_offset - 1} ({_describe(self.student_layout)}), {where}")
         dtype = torch.bfloat16 if args.bf16 else torch.float32
         self.times = PhaseTimes()
 
-        infos = [models_api.ModelInfo.from_dict(cache.manifest.teacher_model) if reads_cache
-                 else models_api.load_model_info(v.teacher_load) for v in views]
-        sides = [TeacherSide(v, info, groups, runs=runs_teacher, device=self.device,
-                             dtype=dtype, world=teacher_world)
-                 for v, info, groups in zip(views, infos, teacher_groups, strict=True)]
+        infos = [models_api.ModelInfo.from_dict(cache.manifest.teacher_model) if read
+                 else models_api.load_model_info(v.teacher_load)
+                 for v, cache, read in zip(views, caches, reads, strict=True)]
+        sides = [TeacherSide(v, info, groups, runs=run, device=self.device, dtype=dtype,
+                             world=teacher_world)
+                 for v, info, groups, run, teacher_world in zip(
+                     views, infos, teacher_groups, runs, teacher_worlds, strict=True)]
         student_info = models_api.load_model_info(args.load)
         self.student = None
         if has_student:
@@ -181,11 +201,12 @@ class Distiller:
                                         same_tokenizer=same_tokenizer[k], ships_text_nats=selects)
             routes = routing_plan(args.global_batch_size, args.micro_batch_size,
                                   self.student_layout, teacher_layouts[k],
-                                  placement.student_offset, placement.teacher_offset)
+                                  placement.student_offset, placement.teacher_offset_of(k))
             self.lanes.append(TeacherLane(view.teacher_name, teacher_layouts[k],
-                                          teacher_groups[k], sides[k], kd, routes, index=k))
-        self.stream = None
+                                          teacher_groups[k], sides[k], kd, routes, index=k,
+                                          cache=caches[k]))
         self.watch = None
+        self.streams = False  # disaggregated: each lane streams its payloads
         if placement.disaggregated:
             # Teacher and students wait on each other for as long as the other's step takes;
             # a peer is dead after --distributed-timeout-minutes (at most a minute) without a
@@ -194,13 +215,18 @@ class Distiller:
             self.watch = PeerWatch(default_store(), self.rank,
                                    dead_after_s=max(5.0, min(timeout_s, 60.0)),
                                    report_every_s=timeout_s)
-            self.stream = RoutedStream(self.routes, numel=self.kd.payload_numel,
-                                       timeout_s=timeout_s, device=self.device, watch=self.watch)
-            log(f"> teacher -> student payload routes: {self.stream.summary}")
-        elif not (self.ce_only or reads_cache or teacher_only):  # nothing to route
+            self.streams = True
+            for lane in self.lanes:  # collective over the world, in lane order
+                lane.transport = RoutedStream(lane.routes, numel=lane.kd.payload_numel,
+                                              timeout_s=timeout_s, device=self.device,
+                                              watch=self.watch)
+        elif not (self.ce_only or teacher_only):  # nothing to route
             for lane in self.lanes:
-                lane.transport = RoutedTransport(lane.routes, numel=lane.kd.payload_numel,
-                                                 device=self.device)
+                if not lane.reads_cache:
+                    lane.transport = RoutedTransport(lane.routes, numel=lane.kd.payload_numel,
+                                                     device=self.device)
+        for lane in self.lanes:
+            if lane.transport is not None:
                 which = f" {lane.name!r}" if len(self.lanes) > 1 else ""
                 log(f"> teacher{which} -> student payload routes: {lane.transport.summary}")
         # Bytes that cross between ranks per global batch (same-rank routes cost nothing).
@@ -264,28 +290,36 @@ class Distiller:
         payloads: list[dict[int, torch.Tensor]] | None
         if self.ce_only:
             payloads = None
-        elif self.cache is not None and self.cache.reading:
-            # the last stage reads its own samples' payloads from disk
-            mine = self.student.positions() if self.student_groups.is_last_stage else []
-            t0 = device_now(self.device)
-            payloads = [self.cache.fetch(samples, mine, self.device)]
-            self.times.route += device_now(self.device) - t0
-        elif self.stream is None:  # colocated: this rank runs its teacher shards first
-            payloads = [self._colocated_payloads(lane, samples) for lane in self.lanes]
+        elif not self.streams:  # colocated: this rank runs its teacher shards first
+            payloads = [self._cached_payloads(lane, samples) if lane.reads_cache
+                        else self._colocated_payloads(lane, samples) for lane in self.lanes]
         else:
             t0 = device_now(self.device)
-            received, stats = self.stream.receive(step)
-            payloads = [received]
-            if next_step:
-                self.stream.prefetch(step + 1)
-            if len(stats):
-                teacher_seconds = float(stats[:, 0].max())
+            payloads = []
+            for lane in self.lanes:  # every teacher's receives are posted a step ahead
+                received, stats = lane.transport.receive(step)
+                payloads.append(received)
+                if next_step:
+                    lane.transport.prefetch(step + 1)
+                if len(stats):
+                    lane.seconds += float(stats[:, 0].max())
+                    teacher_seconds = max(teacher_seconds, float(stats[:, 0].max()))
             self.times.route += device_now(self.device) - t0
         report = self.student.train_step(samples, payloads, self.kds, self.combination,
                                          teacher_seconds)
-        if self.stream is not None:
+        if self.streams:  # the step waited for the slowest teacher
             self.times.teacher += report.teacher_seconds
         return self._metrics(report)
+
+    def _cached_payloads(self, lane: TeacherLane, samples: dict[int, dict]
+                         ) -> dict[int, torch.Tensor]:
+        """A teacher's payloads from its complete cache: the last stage reads its own
+        samples'."""
+        mine = self.student.positions() if self.student_groups.is_last_stage else []
+        t0 = device_now(self.device)
+        payloads = lane.cache.fetch(samples, mine, self.device)
+        self.times.route += device_now(self.device) - t0
+        return payloads
 
     def _colocated_payloads(self, lane: TeacherLane, samples: dict[int, dict]
                             ) -> dict[int, torch.Tensor]:
@@ -296,8 +330,8 @@ class Distiller:
         t1 = device_now(self.device)
         self.times.teacher += t1 - t0
         lane.seconds += t1 - t0
-        if self.cache is not None:
-            self.cache.record(samples, sender)
+        if lane.cache is not None:
+            lane.cache.record(samples, sender)
         payloads = lane.transport.exchange(sender)
         self.times.route += device_now(self.device) - t1
         return payloads
@@ -330,17 +364,22 @@ class Distiller:
         return out
 
     def _teacher_only_step(self, step: int, samples: dict[int, dict]) -> None:
-        """Disaggregated teacher rank: forward, then send without waiting for the students."""
-        t0 = device_now(self.device)
-        outgoing = self.teacher.forward(samples, self.kd, 0)
-        t1 = device_now(self.device)
-        if self.cache is not None:
-            self.cache.record(samples, self.teacher.sent(outgoing))
-        self.times.teacher += t1 - t0
-        if self.stream is None:  # teacher-only pass: the cache is the only receiver
-            return
-        self.stream.send(step, outgoing, stats=[t1 - t0])
-        self.times.route += device_now(self.device) - t1
+        """Disaggregated teacher rank (it serves one teacher): forward, then send without
+        waiting for the students; the teacher-only pass: forward into the cache."""
+        for lane in self.lanes:
+            if not lane.side.runs or step < lane.fill_from:  # (a cache that holds the step)
+                continue
+            t0 = device_now(self.device)
+            outgoing = lane.side.forward(samples, lane.kd, lane.index)
+            t1 = device_now(self.device)
+            if lane.cache is not None:
+                lane.cache.record(samples, lane.side.sent(outgoing))
+            self.times.teacher += t1 - t0
+            lane.seconds += t1 - t0
+            if not self.streams:  # teacher-only pass: the cache is the only receiver
+                continue
+            lane.transport.send(step, outgoing, stats=[t1 - t0])
+            self.times.route += device_now(self.device) - t1
 
     def evaluate(self, batches) -> dict[str, float]:
         """Student CE and bits per byte on held-out batches (forward only; collective over the
@@ -352,8 +391,9 @@ class Distiller:
         """Collective over the world: the student's training checkpoint (disaggregated teacher
         ranks join the collective save and write nothing)."""
         partial_world = self.placement.disaggregated
-        if self.cache is not None:  # every step this checkpoint covers is on disk first
-            self.cache.flush()
+        for lane in self.lanes:  # every step this checkpoint covers is on disk first
+            if lane.cache is not None:
+                lane.cache.flush()
         if self.student is None:
             return save_checkpoint(root, iteration, None, None, None, None, common,
                                    partial_world=partial_world)
@@ -366,15 +406,16 @@ class Distiller:
 
     def finish(self) -> None:
         """Wait for the payload transfers still in flight (disaggregated), e.g. before exit."""
-        if self.stream is not None:
-            self.stream.finish()
+        if self.streams:
+            for lane in self.lanes:
+                lane.transport.finish()
 
     def close(self) -> None:
         """Release the transport's shared buffers (shared memory, CUDA IPC); idempotent. Also
         on errors: a rank that stops early leaves no segment or mapping behind."""
-        for transport in [lane.transport for lane in self.lanes] + [self.stream]:
-            if transport is not None:
-                transport.close()
+        for lane in self.lanes:
+            if lane.transport is not None:
+                lane.transport.close()
         if self.watch is not None:
             self.watch.close()
             self.watch = None

@@ -224,6 +224,23 @@ def _plan(args, numbering, tokenizers, num_samples: int, what: str, loaded=None)
     return plan
 
 
+def _plan_size(args) -> int:
+    """Samples of the training plan: --train-iters x --global-batch-size, or the plan of the
+    teachers' complete caches (which must agree), which a run reading them trains on."""
+    from megatron_xdistill.teacher_cache import TeacherCache
+
+    sizes = {}
+    for spec in args.teachers:
+        if spec.cache is not None:
+            cache = TeacherCache(spec.cache)
+            if cache.reading:
+                sizes[spec.cache] = cache.manifest.num_samples
+    if len(set(sizes.values())) > 1:
+        raise SystemExit(f"the teachers' complete caches hold plans of different sizes "
+                         f"({sizes}): they were not filled for the same run; refill one")
+    return next(iter(sizes.values())) if sizes else args.train_iters * args.global_batch_size
+
+
 def _teacher_lengths(args) -> list[int]:
     return [spec.seq_length for spec in args.teachers]
 
@@ -307,11 +324,11 @@ def _train(args, started: float) -> int:
     _check_vocabularies(args, tokenizers)
     loaded, train_numbering, valid_numbering = _corpus(args, tokenizers)
     resume_from = None if args.teacher_cache_only else _resume_source(args)
-    cache = None
-    num_samples = args.train_iters * args.global_batch_size
-    if args.teacher_cache:
-        cache, _, num_samples = open_teacher_cache(args, tokenizers, _log)
-    distiller = Distiller(args, init_weights=resume_from is None, log=_log, cache=cache,
+    num_samples = _plan_size(args)
+    caches = [None if spec.cache is None else open_teacher_cache(
+        spec.view(args), tokenizers, _log, k, num_samples)[0]
+        for k, spec in enumerate(args.teachers)]
+    distiller = Distiller(args, init_weights=resume_from is None, log=_log, caches=caches,
                           teacher_only=args.teacher_cache_only,
                           same_tokenizer=tokenizers.same_tokenizer)
     iteration = 0
@@ -320,12 +337,14 @@ def _train(args, started: float) -> int:
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
     plan = _plan(args, train_numbering, tokenizers, num_samples, "train", loaded.get("train"))
-    if cache is not None:  # rank 0 starts a new cache's manifest; writer / reader per rank
-        cache.attach(distiller.teacher.info.to_dict(), num_samples, distiller.kd.payload_numel,
-                     rank, writer=distiller.teacher.writes_payloads,
-                     reader=distiller.has_student and distiller.student_groups.is_last_stage,
-                     barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20,
-                     commit_seconds=args.teacher_cache_commit_seconds)
+    for lane in distiller.lanes:  # rank 0 starts a new cache's manifest; writer / reader
+        if lane.cache is not None:
+            lane.cache.attach(
+                lane.side.info.to_dict(), num_samples, lane.kd.payload_numel, rank,
+                writer=lane.side.writes_payloads,
+                reader=distiller.has_student and distiller.student_groups.is_last_stage,
+                barrier=dist.barrier, shard_bytes=args.teacher_cache_shard_mib << 20,
+                commit_seconds=args.teacher_cache_commit_seconds)
     # A disaggregated rank loads only the samples of the model it serves.
     s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
     served = [(lane.groups.coords["dp"] if lane.side.runs else None, lane.layout)
@@ -341,7 +360,7 @@ def _train(args, started: float) -> int:
     dataset = DistillationDataset(documents, plan, tokenizers, args.seq_length,
                                   _teacher_lengths(args))
     if args.teacher_cache_only:
-        return fill_teacher_cache(args, distiller, cache, dataset, _log)
+        return fill_teacher_cache(args, distiller, caches, dataset, _log)
     steps = StepBatches(dataset, sampler, args.num_workers)
 
     eval_batches = None
@@ -411,8 +430,9 @@ def _train(args, started: float) -> int:
                      + ("" if args.save else " (no --save: nothing is saved)"))
                 break
         distiller.finish()
-        if cache is not None:
-            cache.close(rank, dist.barrier, log=_log)
+        for cache in caches:
+            if cache is not None:
+                cache.close(rank, dist.barrier, log=_log)
     finally:
         stopper.close()
         writer.close()

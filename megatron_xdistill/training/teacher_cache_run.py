@@ -8,11 +8,14 @@ import time
 import torch.distributed as dist
 
 
-def open_teacher_cache(args, tokenizers, log=print):
-    """``(cache, teacher ModelInfo, samples of the plan)``. Every rank compares the cache's key
-    with this run's before any model is built or any collective runs, so a mismatch stops all
-    ranks alike with the differing fields named. ``tokenizers``: the run's
-    ``data.tokenizations.SampleTokenizers`` (one teacher)."""
+def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
+                       num_samples: int | None = None):
+    """``(cache, teacher ModelInfo, samples of the plan)`` of teacher ``k`` (``args``: the run's
+    arguments as that teacher sees them, ``TeacherSpec.view``). Every rank compares the cache's
+    key with this run's before any model is built or any collective runs, so a mismatch stops
+    all ranks alike with the differing fields named. ``tokenizers``: the run's
+    ``data.tokenizations.SampleTokenizers``. ``num_samples``: the plan's size when another
+    teacher's complete cache decides it."""
     from megatron_xdistill import models as models_api
     from megatron_xdistill.data.sources import parse_data_path
     from megatron_xdistill.loss import payload_spec
@@ -21,22 +24,26 @@ def open_teacher_cache(args, tokenizers, log=print):
     from megatron_xdistill.teacher_cache.key import run_key
     from megatron_xdistill.training.kd_adapter import load_or_build_projection, payload_form
 
-    cache = TeacherCache(args.teacher_cache)
+    cache = TeacherCache(args.teacher_cache, teacher=k)
     reading = cache.reading
-    log(f"> teacher cache {args.teacher_cache}: " + (
+    several = len(tokenizers.teacher_tokenizers) > 1
+    who = f"teacher {args.teacher_name!r} " if several else ""
+    log(f"> {who}teacher cache {args.teacher_cache}: " + (
         "complete, reading payloads (the teacher is not loaded)" if reading
         else "filling it with this run's payloads"))
     teacher_info = (models_api.ModelInfo.from_dict(cache.manifest.teacher_model) if reading
                     else models_api.load_model_info(args.teacher_load))
     # A reading run trains on the cache's plan (epochs wrap around it).
-    num_samples = (cache.manifest.num_samples if reading
-                   else args.train_iters * args.global_batch_size)
+    if reading:
+        num_samples = cache.manifest.num_samples
+    elif num_samples is None:
+        num_samples = args.train_iters * args.global_batch_size
     form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
     common = None
     if form == "gold":
         rule = "strict" if args.kd_loss == "gold" else "xtoken"
         shared = (min(teacher_info.vocab_size, models_api.load_model_info(args.load).vocab_size)
-                  if tokenizers.same_tokenizer[0] else None)
+                  if tokenizers.same_tokenizer[k] else None)
         common = load_or_build_projection(args, log, shared).common_vocab(rule)[1]
     spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
                         topk=args.kd_topk or None,
@@ -46,25 +53,32 @@ def open_teacher_cache(args, tokenizers, log=print):
     key = run_key(
         teacher_checkpoint=teacher, bf16=args.bf16,
         student_vocab_hash=vocab_hash(tokenizers.student_tokenizer),
-        teacher_vocab_hash=vocab_hash(tokenizers.teacher_tokenizers[0]),
+        teacher_vocab_hash=vocab_hash(tokenizers.teacher_tokenizers[k]),
         sources=parse_data_path(args.data_path, "--data-path"), text_field=args.text_field,
         seq_length=args.seq_length, teacher_seq_length=args.teacher_seq_length, seed=args.seed,
         num_samples=num_samples, form=form, topk=args.kd_topk, temperature=args.kd_temperature,
-        numel=spec.numel, common_teacher_ids=common, split=args.split)
+        numel=spec.numel + int(getattr(args, "teacher_combination", "sum") == "select"),
+        common_teacher_ids=common, split=args.split,
+        packed_with=[(vocab_hash(t), s.seq_length) for t, s in zip(
+            tokenizers.teacher_tokenizers, args.teachers, strict=True)] if several else None)
     cache.check(key)
     return cache, teacher_info, num_samples
 
 
-def fill_teacher_cache(args, distiller, cache, dataset, log=print) -> int:
-    """The teacher over every step of the plan that the cache does not hold yet (a killed pass
-    resumes at its first incomplete step); progress on rank 0. Exit code 0 once complete."""
+def fill_teacher_cache(args, distiller, caches, dataset, log=print) -> int:
+    """Each teacher over every step of the plan that its cache does not hold yet (a killed pass
+    resumes at each cache's first incomplete step); progress on rank 0. Exit code 0 once every
+    cache is complete."""
     from megatron_xdistill.data.loader import StepBatches, StepSampler
 
     gbs = args.global_batch_size
-    start = cache.first_incomplete_step(gbs)
-    t_dp = distiller.teacher_groups.coords["dp"]
+    for lane, cache in zip(distiller.lanes, caches, strict=True):
+        lane.fill_from = cache.first_incomplete_step(gbs)
+    start = min(lane.fill_from for lane in distiller.lanes)
+    distiller.step = start
+    served = [(lane.groups.coords["dp"], lane.layout) for lane in distiller.lanes]
     sampler = StepSampler(len(dataset), start, gbs, args.micro_batch_size, None,
-                          distiller.student_layout, t_dp, distiller.teacher_layout)
+                          distiller.student_layout, more_teachers=served)
     steps = StepBatches(dataset, sampler, args.num_workers)
     if start:
         log(f"> teacher cache: resuming at step {start + 1} ({start * gbs} samples held)")
@@ -83,7 +97,8 @@ def fill_teacher_cache(args, distiller, cache, dataset, log=print) -> int:
             if args.exit_interval and done % args.exit_interval == 0:
                 log(f"> exiting at step {done} (--exit-interval); rerun to continue")
                 break
-        complete = cache.close(dist.get_rank(), dist.barrier, log=log)
+        complete = all([cache.close(dist.get_rank(), dist.barrier, log=log)
+                        for cache in caches])
     finally:
         distiller.close()
     return 0 if complete else 1
