@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from shared_assets import ASSETS
 from shared_assets import needs_shared_assets as needs_assets
-from test_data_teachers import item_arrays, one_teacher_digest
+from test_data_teachers import check_tiling, item_arrays, one_teacher_digest
 
 from megatron_xdistill.data.dataset import DistillationDataset, collate_samples, teacher_view
 from megatron_xdistill.data.packing import (
@@ -129,20 +129,7 @@ def test_packed_samples_fit_and_cover_all_text(tokenizers, tmp_path):
     plan = build_plan(documents, sources, counts, tokenizers, 64, [48], seed=0, num_samples=150,
                       log=lambda m: None)
     assert len(plan) == 150
-    # Pieces tile each document in order, documents follow the seeded order, pass after pass.
-    expected_docs = np.concatenate([document_order(sources, counts, 0, e) for e in range(10)])
-    seen_docs, current, pos = [], None, 0
-    for d, c0, c1, starts_doc, ends_doc in plan.pieces.tolist():
-        if starts_doc:
-            assert current is None and c0 == 0
-            current, pos = d, 0
-            seen_docs.append(d)
-        assert d == current and c0 == pos and c1 > c0
-        pos = c1
-        assert bool(ends_doc) == (c1 == len(documents[d]))
-        if ends_doc:
-            current = None
-    assert seen_docs == expected_docs[: len(seen_docs)].tolist()
+    seen_docs = check_tiling(plan, documents, counts, 0, sources, passes=10)
     assert len(seen_docs) > len(documents)  # more than one pass was needed
 
     ds = DistillationDataset(documents, plan, tokenizers, 64, [48])

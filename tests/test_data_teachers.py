@@ -62,10 +62,11 @@ def _same_plans(a, b) -> bool:
             and np.array_equal(a.sample_offsets, b.sample_offsets))
 
 
-def _check_tiling(plan, documents, counts, seed) -> None:
-    """Pieces tile each document in order and documents follow the seeded order: no text of a
-    document is dropped or repeated within its turn."""
-    expected = np.concatenate([document_order(SOURCES, counts, seed, e) for e in range(20)])
+def check_tiling(plan, documents, counts, seed, sources=SOURCES, passes: int = 20) -> list[int]:
+    """Pieces tile each document in order and documents follow the seeded order, pass after
+    pass: no text of a document is dropped or repeated within its turn. Returns the documents
+    in the order the plan starts them."""
+    expected = np.concatenate([document_order(sources, counts, seed, e) for e in range(passes)])
     seen, current, pos = [], None, 0
     for d, c0, c1, starts_doc, ends_doc in plan.pieces.tolist():
         if starts_doc:
@@ -78,6 +79,7 @@ def _check_tiling(plan, documents, counts, seed) -> None:
         if ends_doc:
             current = None
     assert seen == expected[: len(seen)].tolist()
+    return seen
 
 
 def _text_bytes(tokenizer, ids) -> bytes:
@@ -153,7 +155,7 @@ def test_two_cross_teachers_fit_cover_the_same_text_and_cut_where_both_align(mon
     seq, teacher_seqs, num = 32, [34, 28], 70
     plan = _plan(tokenizers, docs, seq, teacher_seqs, seed=2, num=num)
     assert len(plan) == num
-    _check_tiling(plan, docs, [len(docs)], seed=2)
+    check_tiling(plan, docs, [len(docs)], seed=2)
     assert plan.pieces[:, 4].sum() > len(docs)  # more than one pass: every document ended
 
     # Pieces end where both teachers' whole-document alignments start a chunk at one student
@@ -273,7 +275,7 @@ def test_only_same_tokenizer_teachers_cut_at_student_tokens(mixed):
     docs, both, _ = mixed
     tokenizers = SampleTokenizers(both.student_tokenizer, both.teacher_tokenizers[:1])
     plan = _plan(tokenizers, docs, 24, [24], seed=3, num=40)
-    _check_tiling(plan, docs, [len(docs)], seed=3)
+    check_tiling(plan, docs, [len(docs)], seed=3)
     ds = DistillationDataset(docs, plan, tokenizers, 24, [24])
     full = 0
     for i in range(len(ds)):
