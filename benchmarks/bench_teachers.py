@@ -12,9 +12,18 @@ max (what a placement that runs the teachers side by side could reach).
 Each row is the mean of steps 2..N (the first is warm-up). Models, checkpoints and projections
 are fetched / converted / built once and cached (``megatron_xdistill.demo.assets.cache_dir``).
 Measured on 2 CPU cores (fp32, student DP 2, qwen TP 2, gemma DP 2; global batch 4 x 128 student
-tokens; s per step, steps 2..4), at the commit that added this file:
+tokens; s per step, steps 2..4; 2026-11-26, commit a55a03e):
 
-  see the closing note of issue 20 (the table this script prints)
+  | teachers     | teacher (each)                | route | student (loss) | optimizer | wall  | / sum | / max |
+  | qwen         |  7.77                         | 0.02  | 6.11 (0.13)    | 0.92      | 14.90 | 1.00  | 1.00  |
+  | gemma        |  5.67                         | 0.59  | 5.53 (0.21)    | 0.81      | 12.84 | 1.00  | 1.00  |
+  | qwen + gemma | 12.86 (qwen 7.24, gemma 5.62) | 0.51  | 5.91 (0.32)    | 1.17      | 20.46 | 0.96  | 1.65  |
+
+Colocated, the second teacher costs its own forward and nothing more (0.96 x the sum of the two
+alone); the student's loss grows by the second teacher's KD term (0.13 -> 0.32 s). Running the
+teachers side by side (``--teacher-placement disaggregated``, each teacher on its own 'ranks')
+takes the max instead of the sum, given ranks to spare: on 2 cores the three processes would only
+share them, so that row belongs to a GPU machine.
 """
 
 from __future__ import annotations

@@ -343,6 +343,8 @@ class Distiller:
                "teacher_fill": round(report.teacher_fill, 4),
                "shipped_bytes_per_token": round(
                    self.shipped_bytes_per_step / max(report.tokens, 1.0), 1)}
+        if report.teachers:  # several: each teacher's agreement below, none combined
+            del out["top1_agree"]
         for lane, teacher in zip(self.lanes, report.teachers or [], strict=False):
             name = teacher["name"]
             out.update({f"kd/{name}": teacher["kd"], f"top1_agree/{name}": teacher["top1_agree"],
