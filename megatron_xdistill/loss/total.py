@@ -46,6 +46,17 @@ def global_sums(terms: KDTerms, dp_cp_group: Group) -> dict[str, torch.Tensor]:
     return dict(zip(("kd_sum", "kd_count", "top1", "ce_sum", "ce_count"), total))
 
 
+def _global_sums_of_all(terms: Sequence[KDTerms], dp_cp_group: Group
+                        ) -> list[dict[str, torch.Tensor]]:
+    """:func:`global_sums` of several teachers' terms in one all-reduce."""
+    local = torch.stack([torch.stack([t.kd_sum.detach().double(), t.kd_count.double(),
+                                      t.top1.double(), t.ce_sum.detach().double(),
+                                      t.ce_count.double()]) for t in terms])
+    total = all_reduce(local.contiguous(), dp_cp_group)
+    return [dict(zip(("kd_sum", "kd_count", "top1", "ce_sum", "ce_count"), row))
+            for row in total]
+
+
 def total_loss(
     terms: KDTerms,
     *,
@@ -83,19 +94,22 @@ def combined_loss(
     kd_denominators: Sequence[float | torch.Tensor | None],
     ce_denominator: float | torch.Tensor | None = None,
     dp_cp_group: Group = None,
+    shared_denominator: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """Several teachers' KD terms with one CE: L = sum_k w_k KD_k + w_ce CE, or with dynamic
     scaling L = sg(CE / KD) KD + CE where KD = sum_k w_k KD_k.
 
     ``terms[k]``: teacher k's local sums; CE is the sum of the terms' CE sums (one call computes
     it, the others pass no labels). ``kd_denominators[k]``: teacher k's global chunk count (None:
-    this microbatch's DP x CP count). Returns this rank's share of the loss and metrics: CE, the
-    weighted KD and, per teacher, its KD mean, top-1 agreement and counted chunks.
+    this microbatch's DP x CP count). ``shared_denominator``: the teachers' chunks are counted
+    together (per-sample selection), so the microbatch's KD mean that dynamic scaling divides by
+    is pooled the same way. Returns this rank's share of the loss and metrics: CE, the weighted
+    KD and, per teacher, its KD mean, top-1 agreement and counted chunks. One all-reduce.
     """
     if len(terms) != len(kd_weights) or len(terms) != len(kd_denominators):
         raise ValueError(f"{len(terms)} teachers' terms need as many weights and denominators, "
                          f"got {len(kd_weights)} and {len(kd_denominators)}")
-    sums = [global_sums(t, dp_cp_group) for t in terms]
+    sums = _global_sums_of_all(terms, dp_cp_group)
     ce_sum = sum(t.ce_sum for t in terms)
     ce_global = sum(s["ce_sum"] for s in sums)
     ce_count = sum(s["ce_count"] for s in sums)
@@ -113,6 +127,10 @@ def combined_loss(
         teachers.append({"kd": float(mean),
                          "top1_agree": float(s["top1"] / s["kd_count"].clamp_min(1.0)),
                          "valid_chunks": float(s["kd_count"])})
+    if shared_denominator:
+        pooled = sum(s["kd_count"] for s in sums).clamp_min(1.0)
+        kd_mean = sum(w * s["kd_sum"] for w, s in zip(kd_weights, sums, strict=True)).cpu() / \
+            pooled.cpu()
     if dynamic_scaling:
         scale = (ce_mean.cpu() / kd_mean) if float(kd_mean) > 0 else torch.ones(
             (), dtype=torch.float64)

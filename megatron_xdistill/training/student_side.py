@@ -175,7 +175,8 @@ class StudentSide:
         loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=args.ce_weight,
                                 dynamic_scaling=args.kd_dynamic_scaling,
                                 kd_denominators=denominators, ce_denominator=n_tokens,
-                                dp_cp_group=self.groups.pg_collection.dp_cp)
+                                dp_cp_group=self.groups.pg_collection.dp_cp,
+                                shared_denominator=combination.selects)
         # The schedule divides by num_microbatches; DDP averages gradients over DP x CP.
         scaled = clock.leave(loss * (self.num_microbatches * layout.dp * layout.cp))
         report = [sum(t.ce_sum.detach().double() for t in terms) / max(n_tokens, 1.0)]
