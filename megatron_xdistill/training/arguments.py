@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distil from several teachers: a YAML list under 'teachers', each with "
                    "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
                    "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
-                   "kd_reverse, weight and ranks (unset keys: the --teacher-* / --kd-* "
+                   "kd_reverse, weight, ranks and cache (unset keys: the --teacher-* / --kd-* "
                    "flags). A teacher with the student's tokenizer takes a direct token-level "
                    "KL (no projection). Colocated: the teachers run one after the other on every "
                    "rank; disaggregated: each on its own 'ranks' (after the student's), all "

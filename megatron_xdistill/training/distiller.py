@@ -260,10 +260,6 @@ class Distiller:
         return self.lanes[0].kd
 
     @property
-    def routes(self) -> list:
-        return self.lanes[0].routes
-
-    @property
     def kds(self) -> list[kd_adapter.KDObjective]:
         return [lane.kd for lane in self.lanes]
 
