@@ -11,7 +11,8 @@ standard library split by module; seeds change the data order.
 
 The teacher runs once per payload form: ``pretrain_xdistill.py --teacher-cache-only`` fills a
 payload cache that every run of that form reads (``--teacher-cache``), so a variant costs a
-student's training only. Every stage is resumable: runs continue from their last checkpoint,
+student's training only. A variant with ``extra_teachers`` distils from several teachers at once
+(``--teachers-config``, weights 1/n summed); each teacher fills its own cache in one pass. Every stage is resumable: runs continue from their last checkpoint,
 teacher passes from their last committed shard, finished stages are skipped; a run recorded in ``results/<exp>.json`` beside this file (kept with
 the example, so a study can span machines) with the same settings is not run again. ``REPORT-<exp>.md``
 (mean +- std over seeds per held-out set, differences to CE-only called real only beyond twice
@@ -174,29 +175,92 @@ def _kd(cfg, variant: dict) -> dict:
     return out
 
 
-def _cache_dir(cfg, work: Path, variant: dict, seed: int) -> Path:
+def _form(cfg, variant: dict, seed: int) -> str:
+    """The payload form of a variant (what its teacher cache holds)."""
     order = "" if cfg.experiment == "signal" else f"-seed{seed}"
     kd = _kd(cfg, variant)
-    return work / "teacher_cache" / (f"{variant['kd_loss']}-top{kd['kd-topk']}"
-                                     f"{kd['kd-topk-mode']}-T{kd['kd-temperature']}{order}")
+    return (f"{variant['kd_loss']}-top{kd['kd-topk']}{kd['kd-topk-mode']}"
+            f"-T{kd['kd-temperature']}{order}")
 
 
-def teacher_pass(cfg, work: Path, pair: ModelPair, data: dict, variant: dict, seed: int) -> Path:
-    """Fill the payload cache of a variant's form (skipped when complete; resumes otherwise)."""
+def _cache_dir(cfg, work: Path, variant: dict, seed: int) -> Path:
+    return work / "teacher_cache" / _form(cfg, variant, seed)
+
+
+def teacher_names(cfg, variant: dict) -> list[str]:
+    """The teachers of a variant: the experiment's teacher, then the variant's
+    ``extra_teachers`` (two or more make a ``--teachers-config`` run)."""
+    return [cfg[cfg.experiment].teacher, *variant.get("extra_teachers", [])]
+
+
+def teacher_models(cfg, pair: ModelPair, names: list[str]) -> list[ModelPair]:
+    """``pair`` with each named teacher in its place: fetched, converted and projected onto the
+    student's tokenizer (all cached)."""
+    from megatron_xdistill.demo.assets import fetch_model
+
+    student = (cfg.signal.student_tokenizer if cfg.experiment == "signal" else pair.student)
+    out = []
+    for name in names:
+        if name == pair.teacher:
+            out.append(pair)
+            continue
+        hf = fetch_model(name, log=say)
+        out.append(ModelPair(name, pair.student, hf, pair.student_hf,
+                             convert_to_megatron(name, hf, say), pair.student_ckpt,
+                             build_projection(student, name, pair.student_hf, hf, say)))
+    return out
+
+
+def teachers_file(cfg, work: Path, pair: ModelPair, variant: dict, seed: int) -> Path:
+    """The ``--teachers-config`` of a several-teacher variant: each teacher's checkpoint,
+    tokenizer, projection, its own payload cache, and weight 1/n (combination: sum). Every
+    teacher decides the packing cuts, so its cache is named with the whole set."""
+    import yaml
+
+    names = teacher_names(cfg, variant)
+    group = "+".join(names)
+    form = _form(cfg, variant, seed)
+    teachers = [{"name": model.teacher.split("-")[0].split(".")[0],
+                 "load": str(model.teacher_ckpt), "tokenizer_model": str(model.teacher_hf),
+                 "projection_path": str(model.projection), "weight": 1.0 / len(names),
+                 "cache": str(work / "teacher_cache" / f"{form}-{model.teacher}-with-{group}")}
+                for model in teacher_models(cfg, pair, names)]
+    path = work / "teacher_cache" / f"{form}-{group}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump({"teachers": teachers, "combination": "sum"}, sort_keys=False)
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def teacher_pass(cfg, work: Path, pair: ModelPair, data: dict, variant: dict, seed: int) -> dict:
+    """Fill the payload cache(s) of a variant's form (skipped when complete; resumes otherwise):
+    the ``pretrain_xdistill.py`` options that read them (``--teacher-cache`` or, for several
+    teachers, ``--teachers-config`` whose teachers each name their cache)."""
+    import yaml
+
     from megatron_xdistill.teacher_cache import cache_is_complete
 
-    cache = _cache_dir(cfg, work, variant, seed)
-    if cache_is_complete(cache):
-        return cache
-    say(f"teacher pass -> {cache.name}")
-    options = {**_options(cfg, data, variant, seed), "teacher-cache": str(cache),
-               "teacher-cache-only": True, "kd-weight": 1.0, "log-interval": 10,
+    if len(teacher_names(cfg, variant)) > 1:
+        config = teachers_file(cfg, work, pair, variant, seed)
+        caches = [Path(t["cache"]) for t in yaml.safe_load(config.read_text())["teachers"]]
+        reading = {"teachers-config": str(config)}
+        log = config.with_suffix(".log")
+    else:
+        caches = [_cache_dir(cfg, work, variant, seed)]
+        reading = {"teacher-cache": str(caches[0])}
+        log = caches[0].parent / f"{caches[0].name}.log"
+    if all(cache_is_complete(cache) for cache in caches):
+        return reading
+    say(f"teacher pass -> {', '.join(cache.name for cache in caches)}")
+    options = {**_options(cfg, data, variant, seed), **reading, "teacher-cache-only": True,
+               "kd-weight": 1.0, "log-interval": 10,
                "data-cache-path": str(work / "data_cache")}
     options.pop("valid-data-path"), options.pop("eval-interval")
-    cache.parent.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
     run_command(pretrain_command(pair, cfg.nproc, options), say,
-                env=cpu_env(cfg.threads_per_rank), stdout_path=cache.parent / f"{cache.name}.log")
-    return cache
+                env=cpu_env(cfg.threads_per_rank), stdout_path=log)
+    return reading
 
 
 def _finished(ckpt: Path) -> int:
@@ -214,7 +278,7 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
                "data-cache-path": str(work / "data_cache"), "save": str(run_dir / "ckpt"),
                "save-interval": cfg.save_interval}
     if variant["kd_weight"] > 0:
-        options["teacher-cache"] = str(teacher_pass(cfg, work, pair, data, variant, seed))
+        options.update(teacher_pass(cfg, work, pair, data, variant, seed))
     stamp = run_dir / "settings.json"
     settings = {"options": options, "student": str(pair.student_ckpt)}
     if stamp.is_file() and json.loads(stamp.read_text()) != json.loads(json.dumps(settings)):
@@ -317,6 +381,14 @@ def run_study(cfg) -> dict:
             cfg, work, f"teacher-{name}", ["--load", str(first.teacher_ckpt), "--tokenizer-model",
                                            str(first.teacher_hf)], data[name], "teacher",
             evals.get(f"teacher/{name}"))
+    extras = {t for v in cfg.variants_to_run for t in teacher_names(cfg, cfg.variants[v])[1:]}
+    for model in teacher_models(cfg, first, sorted(extras)):  # the other teachers of the runs
+        for name in heldouts:
+            key = f"teacher-{model.teacher}/{name}"
+            evals[key] = evaluate(
+                cfg, work, key.replace("/", "-"), ["--load", str(model.teacher_ckpt),
+                                                   "--tokenizer-model", str(model.teacher_hf)],
+                data[name], "teacher", evals.get(key))
     for seed in cfg.seeds:  # seed-major: every variant of seed 1 first (early paired results)
         pair = pairs[seed]
         for name in heldouts:
@@ -368,7 +440,10 @@ def summarize(results: dict) -> dict:
                 table[variant] = values
         before = [results["evals"][f"before-s{s}/{name}"]["bits_per_byte"]
                   for s in _seeds(results) if f"before-s{s}/{name}" in results["evals"]]
-        out[name] = {"variants": table, "before": before,
+        others = {key.split("/")[0].removeprefix("teacher-"): value["bits_per_byte"]
+                  for key, value in results["evals"].items()
+                  if key.startswith("teacher-") and key.endswith(f"/{name}")}
+        out[name] = {"variants": table, "before": before, "other_teachers": others,
                      "teacher": results["evals"][f"teacher/{name}"]["bits_per_byte"]}
     return out
 
@@ -482,7 +557,10 @@ def write_report(results: dict, out: Path) -> Path:
             m, sd = _mean_std(values.values())
             lines.append(f"| {cfg['variants'][variant]['label']} | {len(values)} | {m:.4f} +- "
                          f"{sd:.4f} |")
-        lines += [f"| teacher ({exp['teacher']}) | - | {summary['teacher']:.4f} |", ""]
+        lines.append(f"| teacher ({exp['teacher']}) | - | {summary['teacher']:.4f} |")
+        lines += [f"| teacher ({other}) | - | {value:.4f} |"
+                  for other, value in summary["other_teachers"].items()]
+        lines.append("")
     lines += ["## Against CE-only (paired by seed)", "",
               "A difference is called real when |mean| > 2 x the larger seed std of the two "
               "(the rule fixed before the runs). Beside it, the paired view: on how many seeds "
