@@ -92,9 +92,9 @@ class TorchCoreAttention(MegatronModule):
             seq = s_local * cp_size
             q_pos = local_positions(seq, cp_rank, cp_size)
             k_pos = torch.cat([local_positions(seq, r, cp_size) for r in range(cp_size)])
-        else:
-            q_pos = torch.arange(s_local)
+        else:  # the queries are the last s_local keys' positions (a KV-cached decoding step)
             k_pos = torch.arange(key.size(0))
+            q_pos = k_pos[key.size(0) - s_local:]
         # Key position after query position -> masked (True = masked, Megatron's convention).
         mask = k_pos[None, :] > q_pos[:, None]
         if self.window_left >= 0:

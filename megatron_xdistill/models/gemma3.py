@@ -97,11 +97,10 @@ class LocalRopeSelfAttention(SelfAttention):
     def forward(self, hidden_states, attention_mask, *args, **kwargs):
         rotary = kwargs.get("rotary_pos_emb")
         if self.local_rotary is not None and rotary is not None:
-            if kwargs.get("packed_seq_params") is not None or \
-                    kwargs.get("inference_context") is not None:
-                raise NotImplementedError("Gemma 3 local RoPE: packed sequences and inference "
-                                          "contexts are not supported")
-            cp = self.pg_collection.cp.size() if self.pg_collection.cp is not None else 1
+            if kwargs.get("packed_seq_params") is not None:
+                raise NotImplementedError("Gemma 3 local RoPE: packed sequences are not supported")
+            group = self.local_rotary.cp_group  # None while decoding (generation.decoding_mode)
+            cp = group.size() if group is not None else 1
             local = self.local_rotary(rotary.size(0) * cp)
             kwargs["rotary_pos_emb"] = local.to(rotary.device)
         return super().forward(hidden_states, attention_mask, *args, **kwargs)
