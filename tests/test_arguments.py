@@ -30,6 +30,16 @@ def test_defaults_are_derived(base):
     assert args.teacher_seq_length is None  # derived from the data when the run starts
     assert args.lr_decay_iters == 3
     assert args.kd_loss == "pkl"
+    assert args.gkd_beta is None and args.teachers[0].gkd_beta is None
+
+
+def test_gkd_beta_reaches_each_teachers_view(base, tmp_path):
+    config = tmp_path / "teachers.yaml"
+    config.write_text(f"teachers:\n- name: a\n  gkd_beta: 0.25\n- name: b\n"
+                      f"  load: {tmp_path / 'teacher'}\n")
+    args = parse_args(base + ["--gkd-beta", "0.5", "--teachers-config", str(config)],
+                      world_size=1)
+    assert [spec.view(args).gkd_beta for spec in args.teachers] == [0.25, 0.5]
 
 
 @pytest.mark.parametrize("extra,world,message", [
@@ -57,6 +67,8 @@ def test_defaults_are_derived(base):
     (["--split", "99,1", "--valid-data-path", "v.jsonl"], 1, r"drop --valid-data-path"),
     (["--split", "a,b"], 1, r"--split 'a,b': expected up to three non-negative shares"),
     (["--eval-interval", "5"], 1, r"--eval-interval needs --valid-data-path or --split"),
+    (["--gkd-beta", "1.5"], 1, r"--gkd-beta 1.5 must be in \[0, 1\]"),
+    (["--gkd-beta", "0.5", "--kd-reverse"], 1, r"--kd-reverse is --gkd-beta 1; drop one"),
 ])
 def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):

@@ -38,6 +38,9 @@ CONFIGS = [
     ("gold", "gold", None, 2.0, True, False, 1.0, False, 5),
     ("hkl", "gold", None, 1.0, False, False, 1.0, True, 8192),
     ("hkl", "gold", None, 1.5, True, True, 0.0, False, 8192),
+    # a float in the reverse slot: GKD's generalized JSD beta
+    ("pkl", "full", None, 1.0, 0.5, False, 0.0, False, 8192),
+    ("pkl", "chunk_topk", 6, 1.5, 0.3, False, 1.0, False, 8192),
 ]
 _GROUPS: dict = {}
 
@@ -119,7 +122,8 @@ def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes:
         terms = parallel_kd_loss(
             logits, payload, ids(case.student_chunk_id), case.chunk_valid[samples],
             case.chunk_exact[samples], shard, student_vocab_size=case.vs, mode=mode,
-            temperature=temp, reverse=reverse, exact_only=exact_only,
+            temperature=temp, reverse=reverse is True,
+            jsd_beta=None if isinstance(reverse, bool) else reverse, exact_only=exact_only,
             common_student_ids=common[0], uncommon_topk=unc,
             labels=labels if ce_w else None, tp_group=groups["tp"], cp_group=groups["cp"],
             block_bytes=block_bytes)
@@ -143,7 +147,8 @@ def _reference(case, config, n_dp: int) -> tuple[float, torch.Tensor, dict]:
         details = reference.kd_loss_details(
             z[s], case.real_teacher_logits[s], case.student_chunk_id[s],
             case.teacher_chunk_id[s], case.chunk_valid[s], case.chunk_exact[s], case.projection,
-            mode, temp, reverse, exact_only, uncommon_topk=unc, **kw)
+            mode, temp, reverse is True, exact_only, uncommon_topk=unc, **kw,
+            jsd_beta=None if isinstance(reverse, bool) else reverse)
         kd_sum = kd_sum + details.per_chunk.sum()
         n += int(details.counted.sum())
         top1 += int(details.top1.sum())

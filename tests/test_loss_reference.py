@@ -25,9 +25,19 @@ def _positions(chunk_id: torch.Tensor, c: int) -> list[int]:
     return [i for i in range(len(ids) - 1) if ids[i + 1] == c]
 
 
+def _jsd(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> float:
+    """GKD's generalized JSD as TRL writes it: the mixture in log space, KL by ``F.kl_div``."""
+    import torch.nn.functional as F
+
+    log_m = torch.logsumexp(torch.stack([log_p + math.log(beta), log_q + math.log(1 - beta)]), 0)
+    return float(beta * F.kl_div(log_m, log_p, log_target=True, reduction="sum")
+                 + (1 - beta) * F.kl_div(log_m, log_q, log_target=True, reduction="sum"))
+
+
 def _loop_chunk_kl(z, u, w, s_pos, t_pos, mode, temp, reverse, vocab_cols, chunk_topk, pairs,
-                   unc_cap):
-    """KL_c of one chunk from the DESIGN.md formulas (z [T_s, V_s], u [T_t, V_t] of one sample)."""
+                   unc_cap, beta=None):
+    """KL_c of one chunk from the DESIGN.md formulas (z [T_s, V_s], u [T_t, V_t] of one sample);
+    ``beta``: the generalized JSD instead."""
     log_p_s = [torch.log_softmax(z[i].double() / temp, 0) for i in s_pos]
     if mode == "pkl":
         q = sum(lp.exp() @ w.double() for lp in log_p_s) / len(s_pos)
@@ -48,13 +58,18 @@ def _loop_chunk_kl(z, u, w, s_pos, t_pos, mode, temp, reverse, vocab_cols, chunk
                 log_p = torch.cat([log_p[order], torch.tensor([tail], dtype=torch.float64)])
         p = log_p.exp()
         log_q = torch.log(q_k + EPS)
+        if beta is not None:
+            return _jsd(log_p, log_q, beta)
         if reverse:
             return float((q_k * (log_q - log_p)).sum())
         return float((p * (log_p - log_q)).sum())
     a = (sum(log_p_s) / len(s_pos)).tolist()
     b = (sum(torch.log_softmax(u[j].double() / temp, 0) for j in t_pos) / len(t_pos)).tolist()
     kl = 0.0
-    for s, t in pairs:
+    if beta is not None and pairs:
+        kl = _jsd(torch.tensor([b[t] for _, t in pairs], dtype=torch.float64),
+                  torch.tensor([a[s] for s, _ in pairs], dtype=torch.float64), beta)
+    for s, t in pairs if beta is None else []:
         if reverse:
             kl += math.exp(a[s]) * (a[s] - b[t])
         else:
@@ -68,7 +83,7 @@ def _loop_chunk_kl(z, u, w, s_pos, t_pos, mode, temp, reverse, vocab_cols, chunk
 
 
 def _loop_loss(case, mode, temp=1.0, reverse=False, exact_only=False, vocab_topk=None,
-               chunk_topk=None, unc_cap=8192):
+               chunk_topk=None, unc_cap=8192, beta=None):
     z, u = case.real_student_logits, case.real_teacher_logits
     vocab_cols = None
     if vocab_topk is not None:
@@ -90,7 +105,7 @@ def _loop_loss(case, mode, temp=1.0, reverse=False, exact_only=False, vocab_topk
                 continue
             total += temp * temp * _loop_chunk_kl(
                 z[b], u[b], case.projection, s_pos, t_pos, mode, temp, reverse, vocab_cols,
-                chunk_topk, pairs, unc_cap)
+                chunk_topk, pairs, unc_cap, beta)
             count += 1
     return total / count
 
@@ -105,6 +120,11 @@ LOOP_CASES = [
     dict(mode="gold", reverse=True, temp=2.0, unc_cap=4),
     dict(mode="hkl"),
     dict(mode="hkl", reverse=True, exact_only=True),
+    # GKD's generalized JSD (beta strictly between the two KLs)
+    dict(mode="pkl", beta=0.5),
+    dict(mode="pkl", vocab_topk=9, beta=0.9, temp=2.0),
+    dict(mode="pkl", chunk_topk=5, beta=0.3, temp=1.5),
+    dict(mode="gold", beta=0.5, unc_cap=4),
 ]
 
 
@@ -116,6 +136,8 @@ def test_reference_equals_per_chunk_loop(kw):
     mode, temp = args.pop("mode"), args.pop("temp", 1.0)
     reverse, exact_only = args.pop("reverse", False), args.pop("exact_only", False)
     unc = args.pop("unc_cap", 8192)
+    if "beta" in args:
+        args["jsd_beta"] = args.pop("beta")
     got = reference.kd_loss(
         case.real_student_logits.double(), case.real_teacher_logits.double(),
         case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
@@ -131,6 +153,10 @@ GRADCHECK = [
     ("pkl", "chunk_topk", 4, 1.5, False, True),
     ("gold", "gold", None, 1.0, False, False),
     ("hkl", "gold", None, 2.0, True, True),
+    # the reverse slot holding a float: GKD's JSD beta
+    ("pkl", "full", None, 1.0, 0.5, False),
+    ("pkl", "chunk_topk", 4, 1.5, 0.3, True),
+    ("gold", "gold", None, 1.0, 0.7, False),
 ]
 
 
@@ -155,7 +181,8 @@ def test_gradcheck_float64(config):
     def loss(logits):
         terms = parallel_kd_loss(
             logits, payload, ids, case.chunk_valid, case.chunk_exact, rows,
-            student_vocab_size=case.vs, mode=mode, temperature=temp, reverse=reverse,
+            student_vocab_size=case.vs, mode=mode, temperature=temp, reverse=reverse is True,
+            jsd_beta=None if isinstance(reverse, bool) else reverse,
             common_student_ids=common[0], labels=case.labels if with_ce else None,
             block_bytes=8 * 16 * 3)  # several blocks of whole chunks
         return terms.kd_sum + terms.ce_sum

@@ -156,6 +156,7 @@ FORMS = {
     "pkl_global_top16": (1, ["--kd-topk-mode", "global"], {"vocab_topk": 16}),
     "pkl_chunk_top16_reverse_t2": (1, ["--kd-reverse", "--kd-temperature", "2"],
                                    {"chunk_topk": 16, "reverse": True, "temperature": 2.0}),
+    "pkl_chunk_top16_gkd_jsd": (1, ["--gkd-beta", "0.5"], {"chunk_topk": 16, "jsd_beta": 0.5}),
     "gold_student_tp2_cp2_teacher_tp2": (
         4, ["--kd-loss", "gold", *TP2_CP2, "--teacher-tensor-model-parallel-size", "2"],
         {"mode": "gold"}),
@@ -176,7 +177,7 @@ def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, fir
     with torch.no_grad():
         _, want_kd, want_ce = reference_step(root, first_batch, _hf(root / "student_hf"), kd,
                                              ce_weight=0.5)
-    assert want_kd > 0.05  # a KL that is not ~0, so the relative tolerance means something
+    assert want_kd > 0.02  # a divergence that is not ~0, so the relative tolerance means something
     assert got_kd == pytest.approx(want_kd, rel=RTOL), name
     assert got_ce == pytest.approx(want_ce, rel=RTOL), name
 

@@ -20,6 +20,19 @@ MODES = ("pkl", "gold", "hkl")
 GOLD_RULES = {"gold": "strict", "hkl": "xtoken"}
 
 
+def divergence_beta(reverse: bool = False, jsd_beta: float | None = None) -> float:
+    """The divergence as GKD's beta: 0 forward KL(P || Q) (teacher P, student Q), 1 reverse KL
+    (Q || P), between them the generalized Jensen-Shannon divergence of :func:`divergence`."""
+    if jsd_beta is None:
+        return 1.0 if reverse else 0.0
+    beta = float(jsd_beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"the JSD beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}")
+    if reverse and beta != 1.0:
+        raise ValueError(f"reverse KL is beta 1; it cannot be combined with JSD beta {beta}")
+    return beta
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"loss mode must be one of {MODES}, got {mode!r}")

@@ -8,11 +8,31 @@ import torch
 from .common import EPS, TINY
 
 
+def divergence(log_p: torch.Tensor, q: torch.Tensor, log_q: torch.Tensor, beta: float
+               ) -> torch.Tensor:
+    """Per-row divergence of the student Q (``q`` and its log) from the teacher P (``log_p``).
+
+    ``beta`` (GKD's): 0 forward KL(P || Q), 1 reverse KL(Q || P), between them the generalized
+    Jensen-Shannon divergence beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q
+    (as TRL's GKD trainer defines it: beta -> 0 gives 0, not the forward KL, hence the ends are
+    the plain KLs).
+    """
+    if beta == 0.0:
+        return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if beta == 1.0:
+        return (q * (log_q - log_p)).sum(-1)
+    p = log_p.exp()
+    log_m = torch.log(beta * p + (1.0 - beta) * q)
+    return (beta * (p * (log_p - log_m)).sum(-1)
+            + (1.0 - beta) * (q * (log_q - log_m)).sum(-1))
+
+
 def projected_kl(
-    log_p: torch.Tensor, q_sum: torch.Tensor, q_total: torch.Tensor | None, reverse: bool,
+    log_p: torch.Tensor, q_sum: torch.Tensor, q_total: torch.Tensor | None, beta: float,
     tail_log_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """KL_c between the teacher's chunk log-probs on K and the student's projected mass on K.
+    """Divergence (:func:`divergence`, ``beta``) between the teacher's chunk log-probs on K and
+    the student's projected mass on K.
 
     ``q_sum`` [.., k]: the student's projected chunk mass (sums or means) on K, renormalised
     within K. With a tail bucket (``tail_log_p``), Q is normalised over all of V_t by
@@ -26,21 +46,16 @@ def projected_kl(
         q_tail = ((q_total - q_sum.sum(-1)) / total).clamp_min(0)
         q = torch.cat([q_k, q_tail[..., None]], dim=-1)
         log_p = torch.cat([log_p, tail_log_p[..., None]], dim=-1)
-    log_q = torch.log(q + EPS)
-    if reverse:
-        return (q * (log_q - log_p)).sum(-1)
-    return (log_p.exp() * (log_p - log_q)).sum(-1)
+    return divergence(log_p, q, torch.log(q + EPS), beta)
 
 
 def gold_kl(
     a_common: torch.Tensor, b_common: torch.Tensor, s_sorted: torch.Tensor,
-    t_sorted: torch.Tensor, reverse: bool,
+    t_sorted: torch.Tensor, beta: float,
 ) -> torch.Tensor:
-    """KL on the common columns (chunk-mean log-probs a vs b) + L1 of sorted uncommon probs."""
-    if reverse:
-        kl = (a_common.exp() * (a_common - b_common)).sum(-1)
-    else:
-        kl = (b_common.exp() * (b_common - a_common)).sum(-1)
+    """Divergence (``beta``) on the common columns (student chunk-mean log-probs a, teacher b)
+    + L1 of the sorted uncommon probs."""
+    kl = divergence(b_common, a_common.exp(), a_common, beta)
     return kl + (s_sorted - t_sorted).abs().sum(-1)
 
 

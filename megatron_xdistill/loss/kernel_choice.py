@@ -36,7 +36,7 @@ class KernelOptions:
     """What the loss computes (see :func:`parallel_kd_loss`)."""
 
     mode: str
-    reverse: bool
+    beta: float  # the divergence (formulas.divergence): 0 forward KL, 1 reverse KL, else JSD
     exact_only: bool
     common_student_ids: torch.Tensor | None
     uncommon_topk: int
@@ -79,9 +79,9 @@ def build_kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, p
             raise ValueError(f"projection shard has {shard.num_rows} rows, logits {vocab.width}")
         shard = shard.to(dev)
         if kernel_class is DenseKernel:
-            return DenseKernel(payload, shard, num_real, options.reverse, tp_group,
+            return DenseKernel(payload, shard, num_real, options.beta, tp_group,
                                torch.cat([rows.keys, rows.split_keys]))
-        return ColumnsKernel(payload, shard, num_real, rows, options.reverse, tp_group)
+        return ColumnsKernel(payload, shard, num_real, rows, options.beta, tp_group)
     if options.common_student_ids is None:
         raise ValueError(f"mode {options.mode!r} needs common_student_ids "
                          f"(ProjectionMatrix.common_vocab({GOLD_RULES[options.mode]!r}))")
@@ -91,7 +91,7 @@ def build_kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, p
                          f"{payload.spec.width} common columns")
     n_unc = max(0, min(payload.spec.uncommon, vocab.vocab_size - common.numel(),
                        options.uncommon_topk))
-    return GoldKernel(payload, common, vocab.start, num_real, n_unc, options.reverse, tp_group)
+    return GoldKernel(payload, common, vocab.start, num_real, n_unc, options.beta, tp_group)
 
 
 def teacher_vocab(payload: TeacherPayload, projection) -> int:

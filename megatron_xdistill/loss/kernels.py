@@ -24,7 +24,7 @@ from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .common import EPS, TINY
-from .formulas import gold_kl, projected_kl
+from .formulas import divergence, gold_kl, projected_kl
 from .fused_grad import FusedGradWriter
 from .image_projection import ImageProjection
 from .payload import TeacherPayload
@@ -148,9 +148,9 @@ class ColumnsKernel:
     per_block = False
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
-                 rows: ChunkRows, reverse: bool, tp_group: Group) -> None:
+                 rows: ChunkRows, beta: float, tp_group: Group) -> None:
         self.payload, self.shard, self.num_real = payload, shard, num_real
-        self.reverse, self.tp_group = reverse, tp_group
+        self.beta, self.tp_group = beta, tp_group
         self.tail = payload.spec.form == "chunk_topk"
         self.k = payload.spec.width
         self.rows = rows
@@ -199,9 +199,9 @@ class ColumnsKernel:
         if self.tail:
             total = replicated_sum(raw["total"], self.tp_group)
             tail = self.payload.tail_logprob.reshape(-1).index_select(0, keys)
-            kl = projected_kl(log_p, q, total, self.reverse, tail)
+            kl = projected_kl(log_p, q, total, self.beta, tail)
         else:
-            kl = projected_kl(log_p, q, None, self.reverse)
+            kl = projected_kl(log_p, q, None, self.beta)
         return kl, (q.argmax(-1) == log_p.argmax(-1)) if top1 else None
 
     def _backward_terms(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor
@@ -253,7 +253,8 @@ class DenseKernel:
     outside I have q = 0, so their part of the KL is the teacher's alone: forward KL =
     sum_t P_t log P_t - log(EPS) * (mass of P outside I) - sum_{t in I} P_t log(q_t + EPS),
     whose first two terms are taken once per row from the payload (``_teacher_terms``); the
-    reverse KL has no term outside I. Equal to ``formulas.projected_kl`` over all of V_t.
+    reverse KL has no term outside I; the JSD's there is beta P_t log(1 / beta) (M = beta P).
+    Equal to ``formulas.projected_kl`` over all of V_t.
     """
 
     per_block = True
@@ -261,16 +262,17 @@ class DenseKernel:
     TEACHER_ROWS = 32
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
-                 reverse: bool, tp_group: Group, keys: torch.Tensor) -> None:
+                 beta: float, tp_group: Group, keys: torch.Tensor) -> None:
         self.payload, self.num_real = payload, num_real
-        self.reverse, self.tp_group = reverse, tp_group
+        self.beta, self.tp_group = beta, tp_group
         self.proj = ImageProjection.of(shard, num_real, tp_group)
         self.logprobs = payload.logprobs.reshape(-1, payload.spec.width)
         self.const, self.argmax = self._teacher_terms(keys)
 
     def _teacher_terms(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per payload row (filled for ``keys``): the KL's teacher-only terms and the teacher's
-        argmax over all of V_t. A few passes over each row, into reused buffers."""
+        """Per payload row (filled for ``keys``): the divergence's teacher-only terms (outside
+        W's image) and the teacher's argmax over all of V_t. A few passes over each row, into
+        reused buffers."""
         n, width = self.logprobs.shape
         dev = self.logprobs.device
         const = torch.zeros(n, dtype=torch.float64, device=dev)
@@ -286,7 +288,7 @@ class DenseKernel:
             lp = scratch("teacher_lp", m * width, dev, self.logprobs.dtype).view(m, width)
             torch.index_select(self.logprobs, 0, part, out=lp)
             argmax[part] = lp.argmax(-1)
-            if self.reverse:
+            if self.beta == 1.0:  # reverse KL: nothing outside I
                 continue
             p = scratch("teacher_p", m * width, dev, self.logprobs.dtype).view(m, width)
             torch.exp(lp, out=p)
@@ -295,7 +297,10 @@ class DenseKernel:
             plogp = torch.sum(p.mul_(lp), -1, dtype=torch.float64)
             torch.exp(lp, out=p)
             outside = torch.sum(p.index_select(1, outside_cols), -1, dtype=torch.float64)
-            const[part] = plogp - math.log(EPS) * outside
+            if self.beta == 0.0:
+                const[part] = plogp - math.log(EPS) * outside
+            else:  # JSD: beta * KL(P || beta P) on the columns outside I
+                const[part] = -self.beta * math.log(self.beta) * outside
         return const, argmax
 
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
@@ -310,10 +315,12 @@ class DenseKernel:
         q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
         log_q = torch.log(q + EPS)
         log_p = self.logprobs.index_select(0, keys).index_select(1, self.proj.image).to(q.dtype)
-        if self.reverse:
-            kl = (q * (log_q - log_p)).sum(-1)
-        else:
+        if self.beta == 0.0:
             kl = self.const.index_select(0, keys).to(q.dtype) - (log_p.exp() * log_q).sum(-1)
+        else:  # on I as formulas.divergence, plus the teacher-only part outside I
+            kl = divergence(log_p, q, log_q, self.beta)
+            if self.beta != 1.0:
+                kl = kl + self.const.index_select(0, keys).to(q.dtype)
         if not top1:
             return kl, None
         return kl, self.proj.image[u.argmax(-1)] == self.argmax.index_select(0, keys)
@@ -329,8 +336,8 @@ class GoldKernel:
     per_block = True
 
     def __init__(self, payload: TeacherPayload, common_student: torch.Tensor, vocab_start: int,
-                 num_real: int, num_uncommon: int, reverse: bool, tp_group: Group) -> None:
-        self.payload, self.reverse, self.tp_group = payload, reverse, tp_group
+                 num_real: int, num_uncommon: int, beta: float, tp_group: Group) -> None:
+        self.payload, self.beta, self.tp_group = payload, beta, tp_group
         self.num_real = num_real
         self.num_common = int(common_student.numel())
         local = (common_student >= vocab_start) & (common_student < vocab_start + num_real)
@@ -373,7 +380,7 @@ class GoldKernel:
         if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
             merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        kl = gold_kl(a_common, b_common, merged.exp(), t_sorted, self.reverse)
+        kl = gold_kl(a_common, b_common, merged.exp(), t_sorted, self.beta)
         if not top1:
             return kl, None
         if self.num_common:

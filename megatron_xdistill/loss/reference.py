@@ -24,6 +24,7 @@ from .common import (
     UNCOMMON_TOPK,
     check_mode,
     common_vocab_from_dense,
+    divergence_beta,
     gold_uncommon_len,
     predicting_chunk_id,
 )
@@ -81,9 +82,11 @@ def kd_loss_details(
     chunk_topk: int | None = None,
     uncommon_topk: int = UNCOMMON_TOPK,
     common: tuple[torch.Tensor, torch.Tensor] | None = None,
+    jsd_beta: float | None = None,
 ) -> ReferenceDetails:
     """Per-chunk losses; see :func:`kd_loss`."""
     check_mode(mode)
+    beta = divergence_beta(reverse, jsd_beta)
     temp = float(temperature)
     num_chunks = chunk_valid.shape[1]
     m_s = _membership(student_chunk_id, num_chunks)
@@ -110,7 +113,7 @@ def kd_loss_details(
             total = q_mean.sum(-1)
         else:
             t_log, q_k = _chunk_mean(m_t, logp_t), q_mean
-        kl = projected_kl(t_log, q_k, total, reverse, tail)
+        kl = projected_kl(t_log, q_k, total, beta, tail)
         top1 = q_k.argmax(-1) == t_log.argmax(-1)
     else:
         common_s, common_t = common or common_vocab_from_dense(projection, mode)
@@ -125,7 +128,7 @@ def kd_loss_details(
         s_sorted = a[..., unc_s].exp().topk(n, dim=-1).values
         t_sorted = b[..., unc_t].exp().topk(n, dim=-1).values
         a_c, b_c = a[..., common_s], b[..., common_t]
-        kl = gold_kl(a_c, b_c, s_sorted, t_sorted, reverse)
+        kl = gold_kl(a_c, b_c, s_sorted, t_sorted, beta)
         if common_s.numel():
             top1 = a_c.argmax(-1) == b_c.argmax(-1)
         else:
@@ -151,6 +154,7 @@ def kd_loss(
     chunk_topk: int | None = None,
     uncommon_topk: int = UNCOMMON_TOPK,
     common: tuple[torch.Tensor, torch.Tensor] | None = None,
+    jsd_beta: float | None = None,
 ) -> torch.Tensor:
     """Cross-tokenizer KD loss (scalar): T^2 * mean over counted chunks of KL_c.
 
@@ -159,10 +163,12 @@ def kd_loss(
     W [V_s, V_t] (dense, or sparse COO for real vocabularies). ``mode``: "pkl" (projected KL),
     "gold" (strict common vocabulary) or "hkl" (xtoken common vocabulary); ``common``: their
     (student_ids, teacher_ids) pairs when already known (else taken from a dense W).
-    ``reverse``: KL(student || teacher).
+    ``reverse``: KL(student || teacher); ``jsd_beta``: GKD's generalized JSD instead
+    (:func:`~megatron_xdistill.loss.formulas.divergence`; 0 forward KL, 1 reverse KL).
     """
     return kd_loss_details(
         student_logits, teacher_logits, student_chunk_id, teacher_chunk_id, chunk_valid,
         chunk_exact, projection, mode, temperature, reverse, exact_only,
         vocab_topk=vocab_topk, chunk_topk=chunk_topk, uncommon_topk=uncommon_topk, common=common,
+        jsd_beta=jsd_beta,
     ).loss

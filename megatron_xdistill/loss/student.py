@@ -20,7 +20,7 @@ import torch
 from . import row_softmax
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank, group_size
-from .common import UNCOMMON_TOPK, check_mode
+from .common import UNCOMMON_TOPK, check_mode, divergence_beta
 from .fused_grad import FusedGradWriter
 from .kernel_choice import (
     KernelOptions,
@@ -478,6 +478,7 @@ def parallel_kd_loss(
     mode: str = "pkl",
     temperature: float = 1.0,
     reverse: bool = False,
+    jsd_beta: float | None = None,
     exact_only: bool = False,
     common_student_ids: torch.Tensor | None = None,
     uncommon_topk: int = UNCOMMON_TOPK,
@@ -497,6 +498,8 @@ def parallel_kd_loss(
     :class:`ProjectionShard`). Gold / H-KL take ``common_student_ids`` (the student side of
     ``ProjectionMatrix.common_vocab("strict" | "xtoken")``, in pair order). ``labels`` [B, T_local]
     (next-token ids, < 0 = none) adds the fused CE. With ``payload=None`` only CE is computed.
+    ``reverse``: KL(student || teacher); ``jsd_beta``: GKD's generalized JSD (0 forward KL,
+    1 reverse KL; :func:`~megatron_xdistill.loss.formulas.divergence`).
     """
     if student_logits.dim() != 3:
         raise ValueError(f"student logits must be [B, T, V_local], got {tuple(student_logits.shape)}")
@@ -534,7 +537,8 @@ def parallel_kd_loss(
                                 max_block).to(dev)
         kernel = None
     else:
-        options = KernelOptions(mode, reverse, exact_only, common_student_ids, uncommon_topk)
+        options = KernelOptions(mode, divergence_beta(reverse, jsd_beta), exact_only,
+                                common_student_ids, uncommon_topk)
         vocab = VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
         rows = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only,
                               cp_group, max_block).to(dev)  # once: kernel and plan index with them

@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="global: one top-N column set per micro-batch (NeMo-RL vocab_topk); "
                    "chunk: top-N per chunk plus a tail bucket")
     g.add_argument("--kd-reverse", action="store_true", help="reverse KL (student || teacher)")
+    g.add_argument("--gkd-beta", type=float, default=None, metavar="BETA",
+                   help="GKD's generalized Jensen-Shannon divergence: beta KL(P || M) + "
+                   "(1 - beta) KL(Q || M), M = beta P + (1 - beta) Q (teacher P, student Q), as "
+                   "TRL's GKD trainer: 0 is the forward KL, 1 the reverse KL (--kd-reverse). "
+                   "Default: forward KL")
     g.add_argument("--kd-weight", type=float, default=1.0)
     g.add_argument("--ce-weight", type=float, default=1.0,
                    help="L = kd_weight * KD + ce_weight * CE. Default 1 (KD + CE) from the "
@@ -201,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distil from several teachers: a YAML list under 'teachers', each with "
                    "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
                    "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
-                   "kd_reverse, weight, ranks and cache (unset keys: the --teacher-* / --kd-* "
+                   "kd_reverse, gkd_beta, weight, ranks and cache (unset keys: the --teacher-* / --kd-* "
                    "flags). A teacher with the student's tokenizer takes a direct token-level "
                    "KL (no projection). Colocated: the teachers run one after the other on every "
                    "rank; disaggregated: each on its own 'ranks' (after the student's), all "
@@ -316,6 +321,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                f"{args.seq_length}: the teacher must cover the student's text (use about "
                f"1-2 x --seq-length depending on the tokenizers)")
         _check(spec.kd_temperature > 0, f"{who}: --kd-temperature must be > 0")
+        _check(spec.gkd_beta is None or 0.0 <= spec.gkd_beta <= 1.0,
+               f"{who}: --gkd-beta {spec.gkd_beta} must be in [0, 1] (0: forward KL, "
+               f"1: reverse KL)")
+        _check(spec.gkd_beta is None or not spec.kd_reverse or spec.gkd_beta == 1.0,
+               f"{who}: --kd-reverse is --gkd-beta 1; drop one of --kd-reverse and --gkd-beta "
+               f"{spec.gkd_beta}")
         _check(spec.kd_topk >= 0, f"{who}: --kd-topk must be >= 0 (0 = full teacher vocabulary)")
         _check(spec.kd_loss in KD_LOSSES, f"{who}: kd_loss must be one of {list(KD_LOSSES)}, "
                f"got {spec.kd_loss!r}")

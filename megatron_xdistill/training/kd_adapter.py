@@ -179,6 +179,7 @@ class KDObjective:
             logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,
             student_vocab_size=self.student_vocab, mode=self.mode,
             temperature=self.args.kd_temperature, reverse=self.args.kd_reverse,
+            jsd_beta=self.args.gkd_beta,
             common_student_ids=self.common_student,
             labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
