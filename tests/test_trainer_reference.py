@@ -113,7 +113,7 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
         kd_sums.append(details.per_chunk.sum())
         counts.append(details.counted.sum().double())
     kd_sum, ce_sum = torch.stack(kd_sums), ce_per_sample
-    n_chunks, n_tokens = float(sum(counts)), float(tokens_per_sample.sum())
+    n_chunks, n_tokens = float(sum(counts)), max(float(tokens_per_sample.sum()), 1.0)
     if dynamic_group is None:
         loss = kd_sum.sum() / n_chunks + ce_weight * ce_sum.sum() / n_tokens
     else:  # sg(CE / KD) per microbatch (its means over DP), global denominators

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from megatron_xdistill.onpolicy.arguments import add_onpolicy_arguments, check_onpolicy_args
 from megatron_xdistill.parallel.placement import PLACEMENTS, Placement
 from megatron_xdistill.parallel.shape import ParallelLayout
 from megatron_xdistill.teachers.spec import COMBINATIONS, teachers_from_args
@@ -201,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "is their weighted sum). Off by default: in the quality study it matched "
                    "weights 1 / 1 on one held-out set and was noisier on the other")
 
+    add_onpolicy_arguments(p)
+
     g = p.add_argument_group("several teachers")
     g.add_argument("--teachers-config", default=None, metavar="TEACHERS.yaml",
                    help="distil from several teachers: a YAML list under 'teachers', each with "
@@ -385,6 +388,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 
         check_split(args.split)
     _check_teacher_cache(args)
+    check_onpolicy_args(args, _check)
     for flag, path in (("--load", args.load), ("--tokenizer-model", args.tokenizer_model),
                        ("--data-tokenizer-model", args.data_tokenizer_model)):
         _check(path is None or os.path.isdir(path), f"{flag}: no such directory: {path}")

@@ -167,6 +167,12 @@ def _corpus(args, tokenizers) -> tuple[dict, object, object]:
     loaded: dict = {}
 
     def read() -> dict:
+        if args.on_policy:  # --data-path holds prompts (onpolicy.prompts), not documents
+            valid = _documents(args, args.valid_data_path, "valid") \
+                if args.valid_data_path else None
+            loaded["train"], loaded["valid"] = None, valid
+            return {"train": None, "valid": None if valid is None else valid[2],
+                    "teacher_seq_lengths": _derive_teacher_lengths(args, [], tokenizers)}
         train = _documents(args, args.data_path, "train")
         loaded["train"], loaded["valid"] = train, None
         if args.split is not None:
@@ -184,7 +190,11 @@ def _corpus(args, tokenizers) -> tuple[dict, object, object]:
     _set_teacher_lengths(args, meta["teacher_seq_lengths"])
     sources = parse_data_path(args.data_path)
     counts = meta["train"]
-    if args.split is not None:
+    if args.on_policy:
+        train = None
+        valid = None if meta["valid"] is None else DocumentNumbering.whole(
+            parse_data_path(args.valid_data_path, "--valid-data-path"), meta["valid"])
+    elif args.split is not None:
         parts = [split_ranges(args.split, c) for c in counts]
         train = DocumentNumbering(sources, [p[0] or (0, 0) for p in parts])
         valid = DocumentNumbering(sources, [p[1] or (0, 0) for p in parts])
@@ -306,19 +316,9 @@ def _resume_source(args) -> str | None:
 
 
 def _train(args, started: float) -> int:
-    from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
-    from megatron_xdistill.data.document_share import step_samples
-    from megatron_xdistill.data.loader import StepBatches, StepSampler
-    from megatron_xdistill.parallel.sample_owners import student_samples
     from megatron_xdistill.training.distiller import Distiller
-    from megatron_xdistill.training.metrics import MetricsWriter
-    from megatron_xdistill.training.preemption import StopRequest
-    from megatron_xdistill.training.teacher_cache_run import (
-        fill_teacher_cache,
-        open_teacher_cache,
-    )
+    from megatron_xdistill.training.teacher_cache_run import open_teacher_cache
 
-    rank = dist.get_rank()
     torch.manual_seed(args.seed)
     tokenizers = _tokenizers(args)
     _check_vocabularies(args, tokenizers)
@@ -336,6 +336,53 @@ def _train(args, started: float) -> int:
         iteration = distiller.resume(resume_from)["iteration"]
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
+    if args.on_policy:
+        steps = _rollout_steps(args, tokenizers, distiller, iteration)
+    else:
+        steps = _training_batches(args, tokenizers, distiller, caches, train_numbering, loaded,
+                                  num_samples, iteration)
+    if isinstance(steps, int):  # the teacher-only cache pass ran instead: its exit code
+        return steps
+    eval_batches = _evaluation_batches(args, tokenizers, distiller, valid_numbering, loaded)
+    loaded.clear()  # rank 0's whole corpus: planned, no longer needed
+    return _loop(args, distiller, steps, eval_batches, caches, iteration, started)
+
+
+def _rollout_steps(args, tokenizers, distiller, iteration: int):
+    """On-policy runs: the prompts, and each step's samples rolled out by the student."""
+    from megatron_xdistill.data.loader import StepSampler
+    from megatron_xdistill.onpolicy.prompts import PromptFields, check_answers, read_prompts
+    from megatron_xdistill.onpolicy.rollout import RolloutSteps
+    from megatron_xdistill.onpolicy.samples import SampleBuilder
+
+    fields = PromptFields(prompt=args.prompt_field, messages=args.messages_field,
+                          answer=args.answer_field)
+    records = read_prompts(args.data_path[0], fields)
+    if args.gkd_lambda < 1.0:
+        check_answers(records, f"--gkd-lambda {args.gkd_lambda} (its off-policy steps)")
+    _log(f"> on-policy: {len(records)} prompts from {args.data_path[0]}; lambda "
+         f"{args.gkd_lambda}, up to {args.max_new_tokens} new tokens, temperature "
+         f"{args.sampling_temperature}, top-p {args.sampling_top_p}, top-k {args.sampling_top_k}")
+    builder = SampleBuilder(tokenizers, records, args.seq_length, _teacher_lengths(args),
+                            chat_template=not args.no_chat_template)
+    served = [(lane.groups.coords["dp"] if lane.side.runs else None, lane.layout)
+              for lane in distiller.lanes]
+    positions = StepSampler(args.global_batch_size, iteration, args.global_batch_size,
+                            args.micro_batch_size, distiller.student_groups.coords["dp"],
+                            distiller.student_layout, more_teachers=served).local
+    return RolloutSteps(args, records, builder, distiller.student, positions, iteration, _log)
+
+
+def _training_batches(args, tokenizers, distiller, caches, train_numbering, loaded,
+                      num_samples: int, iteration: int):
+    """Off-policy runs: the packed training data, each step's samples from a DataLoader; a
+    --teacher-cache-only pass runs here instead and gives its exit code."""
+    from megatron_xdistill.data.dataset import DistillationDataset
+    from megatron_xdistill.data.document_share import step_samples
+    from megatron_xdistill.data.loader import StepBatches, StepSampler
+    from megatron_xdistill.training.teacher_cache_run import fill_teacher_cache
+
+    rank = dist.get_rank()
     plan = _plan(args, train_numbering, tokenizers, num_samples, "train", loaded.get("train"))
     for lane in distiller.lanes:  # rank 0 starts a new cache's manifest; writer / reader
         if lane.cache is not None:
@@ -361,9 +408,17 @@ def _train(args, started: float) -> int:
                                   _teacher_lengths(args))
     if args.teacher_cache_only:
         return fill_teacher_cache(args, distiller, caches, dataset, _log)
-    steps = StepBatches(dataset, sampler, args.num_workers)
+    return StepBatches(dataset, sampler, args.num_workers)
+
+
+def _evaluation_batches(args, tokenizers, distiller, valid_numbering, loaded):
+    """The held-out micro-batches of this rank's student replica (None without held-out
+    data, and on ranks without a student)."""
+    from megatron_xdistill.data.dataset import DistillationDataset, collate_samples
+    from megatron_xdistill.parallel.sample_owners import student_samples
 
     eval_batches = None
+    s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
     if valid_numbering is not None:
         n_eval = args.eval_iters * args.global_batch_size  # Megatron-LM: global batches
         v_plan = _plan(args, valid_numbering, tokenizers, n_eval, "valid", loaded.get("valid"))
@@ -377,8 +432,15 @@ def _train(args, started: float) -> int:
         mbs = args.micro_batch_size
         eval_batches = [collate_samples([v_set[i] for i in mine[k : k + mbs]])
                         for k in range(0, len(mine), mbs)] if distiller.has_student else None
-    loaded.clear()  # rank 0's whole corpus: planned, no longer needed
+    return eval_batches
 
+
+def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started: float) -> int:
+    """The training loop: steps, logging, evaluation, checkpoints, stopping."""
+    from megatron_xdistill.training.metrics import MetricsWriter
+    from megatron_xdistill.training.preemption import StopRequest
+
+    rank = dist.get_rank()
     wandb = None if args.wandb_project is None else {
         "project": args.wandb_project, "name": args.wandb_exp_name, "dir": args.wandb_save_dir,
         "entity": args.wandb_entity, "config": {
@@ -408,6 +470,7 @@ def _train(args, started: float) -> int:
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 now = time.perf_counter()
                 record = {"iteration": iteration, "train_iters": args.train_iters, **metrics,
+                          **getattr(steps, "metrics", {}),
                           "elapsed_ms_per_iteration": round(1e3 * (now - last) / steps_since, 1),
                           "tokens_per_s": round(tokens_since / (now - last), 1),
                           "consumed_samples": iteration * args.global_batch_size,

@@ -1,0 +1,175 @@
+"""Each step's samples for on-policy distillation: prompts, the student's responses, exchanged.
+
+Step ``s`` covers global-batch positions ``0 .. G-1``; position ``g`` takes prompt
+``order[(s * G + g) mod P]`` (one seeded permutation of the P prompts per epoch). A step is
+on-policy with probability ``--gkd-lambda`` (one seeded draw per step, the same on every rank);
+otherwise its responses are the prompts' reference answers. On an on-policy step every student
+replica samples the responses of its own positions (its model in its training layout, the
+generator seeded by (seed, step, replica), so a resumed run draws the same tokens), and one rank
+of each replica shares them with the world; each rank then builds the samples it needs (its
+student replica's and its teachers' positions) with :class:`~.samples.SampleBuilder`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_xdistill.generation import SamplingParams, generate
+from megatron_xdistill.onpolicy.prompts import PromptRecord
+from megatron_xdistill.onpolicy.samples import Rollout, SampleBuilder
+from megatron_xdistill.storage.atomic import write_text_atomic
+
+
+def _seed(*parts: int) -> int:
+    """A 63-bit seed from integers (numpy's SeedSequence mixes them)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(
+        2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+
+
+def is_on_policy_step(seed: int, gkd_lambda: float, step: int) -> bool:
+    """Whether ``step`` trains on the student's own responses (probability ``gkd_lambda``, one
+    seeded draw per step: the same on every rank and after a resume)."""
+    if gkd_lambda >= 1.0 or gkd_lambda <= 0.0:
+        return gkd_lambda >= 1.0
+    return bool(np.random.default_rng(_seed(seed, step, 29)).random() < gkd_lambda)
+
+
+class RolloutSteps:
+    """Iterator of ``{position in the global batch: sample dict}`` per step (like
+    :class:`~megatron_xdistill.data.loader.StepBatches`), rolling out on-policy steps with the
+    student. ``positions``: the global-batch positions this rank needs."""
+
+    def __init__(self, args, records: Sequence[PromptRecord], builder: SampleBuilder, student,
+                 positions: Sequence[int], start_step: int, log=print) -> None:
+        self.args, self.records, self.builder, self.student = args, records, builder, student
+        self.positions = list(positions)
+        self.step = start_step
+        self.log = log
+        self.params = SamplingParams(max_new_tokens=args.max_new_tokens,
+                                     temperature=args.sampling_temperature,
+                                     top_p=args.sampling_top_p, top_k=args.sampling_top_k)
+        tokenizer = builder.tokenizers.student_tokenizer
+        self.eos = int(tokenizer.eos_token_id)
+        self._prompts: dict[int, tuple[int, ...]] = {}
+        self.truncated_prompts = 0
+        self.metrics: dict[str, float] = {}
+        self.file = args.generations_file if dist.get_rank() == 0 else None
+        if self.file is not None:
+            _keep_until(self.file, start_step)
+
+    # ------------------------------------------------------------------ what a step holds
+    def prompt_of(self, step: int, position: int) -> int:
+        """The prompt record at ``position`` of ``step``."""
+        n = len(self.records)
+        flat = step * self.args.global_batch_size + position
+        order = np.random.default_rng(_seed(self.args.seed, flat // n, 17)).permutation(n)
+        return int(order[flat % n])
+
+    def on_policy(self, step: int) -> bool:
+        return is_on_policy_step(self.args.seed, self.args.gkd_lambda, step)
+
+    def student_prompt(self, index: int) -> tuple[int, ...]:
+        """The student's prompt ids of a record, keeping the last --max-prompt-length."""
+        if index not in self._prompts:
+            ids = self.builder.student_prompt(self.records[index])
+            limit = self.args.max_prompt_length
+            if len(ids) > limit:
+                self.truncated_prompts += 1
+                self.log(f"> prompt {self.records[index].where}: {len(ids)} tokens, keeping "
+                         f"the last {limit} (--max-prompt-length)")
+                ids = ids[-limit:]
+            self._prompts[index] = tuple(ids)
+        return self._prompts[index]
+
+    def reference(self, step: int, position: int) -> Rollout:
+        """The reference answer at a position (an off-policy step)."""
+        index = self.prompt_of(step, position)
+        record = self.records[index]
+        tokenizer = self.builder.tokenizers.student_tokenizer
+        ids = [int(i) for i in tokenizer(record.answer, add_special_tokens=False)["input_ids"]]
+        ids.append(self.eos)
+        finished = len(ids) <= self.args.max_new_tokens
+        return Rollout(index, self.student_prompt(index), tuple(ids[: self.args.max_new_tokens]),
+                       finished, on_policy=False)
+
+    # ------------------------------------------------------------------ one step
+    def _generate(self, step: int) -> dict[int, Rollout]:
+        """This replica's responses (every rank of the replica computes the same ones)."""
+        side = self.student
+        mine = side.positions()
+        indices = [self.prompt_of(step, g) for g in mine]
+        prompts = [list(self.student_prompt(i)) for i in indices]
+        generator = torch.Generator(device=side.device).manual_seed(
+            _seed(self.args.seed, step, side.groups.coords["dp"], 41))
+        out = generate(side.model, side.groups, prompts, self.params, eos_token_ids=[self.eos],
+                       vocab_size=side.info.vocab_size, device=side.device, generator=generator)
+        return {g: Rollout(i, tuple(p), tuple(out.response(k)), bool(out.finished[k]))
+                for k, (g, i, p) in enumerate(zip(mine, indices, prompts))}
+
+    def _exchange(self, mine: dict[int, Rollout]) -> dict[int, Rollout]:
+        """Every replica's rollouts on every rank (one rank per replica contributes)."""
+        coords = self.student.groups.coords if self.student is not None else None
+        share = mine if coords is not None and coords["tp"] == coords["pp"] == coords["cp"] == 0 \
+            else {}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, share)
+        out: dict[int, Rollout] = {}
+        for part in gathered:
+            out.update(part)
+        return out
+
+    def __next__(self) -> dict[int, dict]:
+        step = self.step
+        self.step += 1
+        gbs = self.args.global_batch_size
+        t0 = time.perf_counter()
+        if self.on_policy(step):
+            mine = self._generate(step) if self.student is not None else {}
+            generate_s = time.perf_counter() - t0
+            rollouts = self._exchange(mine)
+            new_tokens = sum(len(r.response) for r in mine.values())
+            self.metrics = {"on_policy": 1.0, "time_generate": round(generate_s, 3),
+                            "generate_tokens_per_s": round(new_tokens / max(generate_s, 1e-9), 1)}
+        else:
+            rollouts = {g: self.reference(step, g) for g in range(gbs)}
+            self.metrics = {"on_policy": 0.0}
+        if len(rollouts) != gbs:
+            raise RuntimeError(f"step {step + 1}: rollouts of {len(rollouts)} of {gbs} "
+                               f"positions arrived (rank {dist.get_rank()})")
+        self.metrics.update(
+            response_tokens=float(np.mean([len(r.response) for r in rollouts.values()])),
+            finished_fraction=float(np.mean([r.finished for r in rollouts.values()])))
+        if self.file is not None:
+            self._write(step, rollouts)
+        samples = {g: self.builder.build(step * gbs + g, rollouts[g]) for g in self.positions}
+        self.metrics["truncated_teacher_chunks"] = float(self.builder.truncated_chunks)
+        return samples
+
+    def __iter__(self) -> RolloutSteps:
+        return self
+
+    def _write(self, step: int, rollouts: dict[int, Rollout]) -> None:
+        with open(self.file, "a", encoding="utf-8") as fh:
+            for g in sorted(rollouts):
+                r = rollouts[g]
+                fh.write(json.dumps({
+                    "iteration": step + 1, "position": g, "prompt": r.prompt,
+                    "on_policy": r.on_policy, "finished": r.finished,
+                    "response_ids": list(r.response),
+                    "response": self.builder.response_text(r.response)}) + "\n")
+
+
+def _keep_until(path: str, step: int) -> None:
+    """Drop a generations file's records after ``step`` (a resumed run writes them again)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as fh:
+        kept = [line for line in fh if line.strip() and json.loads(line)["iteration"] <= step]
+    write_text_atomic(path, "".join(kept))
