@@ -47,6 +47,11 @@ def pool():
         yield ranks
 
 
+def length_reward(record, response: str) -> float:
+    """A reward that differs between responses (for the weighting test): length mod 3."""
+    return float(len(response) % 3)
+
+
 def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
     return ["--load", str(root / "student"), "--teacher-load", str(root / "teacher"),
             "--tokenizer-model", str(s_tok), "--teacher-tokenizer-model", str(t_tok),
@@ -151,3 +156,29 @@ def test_lambda_mixes_reference_answers_in(setup, pool):
     for step, on in flags.items():
         assert metrics[step]["on_policy"] == float(on)
         assert (metrics[step]["ce"] > 0) != on  # CE only on the reference answers
+
+
+def test_reward_weights_scale_each_samples_divergence(setup, pool):
+    from megatron_xdistill.onpolicy.rewards import reward_weights
+
+    root, s_tok, t_tok = setup
+    name = "rewarded"
+    pool.run(_run_main, _argv(root, s_tok, t_tok, name, [
+        "--sampling-temperature", "1.0", "--train-iters", "1", "--seed", "7",
+        "--reward-fn", "test_onpolicy_run:length_reward", "--reward-beta", "0.7"]))
+    step1 = sorted(_records(root, name, ".gen.jsonl"), key=lambda r: r["position"])
+    rewards = [r["reward"] for r in step1]
+    assert rewards == [length_reward(None, r["response"]) for r in step1]
+    weights = reward_weights(rewards, 0.7).tolist()
+    assert len(set(rewards)) > 1, "the rollouts' rewards are all equal: no weighting to check"
+    batch, _, _ = _batch(root, s_tok, t_tok, step1)
+    [metrics] = [m for m in _records(root, name) if "kd" in m]
+    assert metrics["reward"] == pytest.approx(sum(rewards) / 4)
+    with torch.no_grad():
+        kw = {"chunk_topk": 16, "jsd_beta": 0.5}
+        _, want_kd, _ = reference_step(root, batch, _hf(root / "student_hf"), kw,
+                                       ce_weight=0.0, sample_weights=weights)
+        _, plain_kd, _ = reference_step(root, batch, _hf(root / "student_hf"), kw,
+                                        ce_weight=0.0)
+    assert metrics["kd"] == pytest.approx(want_kd, rel=RTOL)
+    assert abs(want_kd - plain_kd) > 1e-3 * plain_kd  # the weights changed the loss

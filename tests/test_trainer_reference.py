@@ -80,13 +80,15 @@ def _padded(logits: torch.Tensor) -> torch.Tensor:
 
 
 def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: float,
-                   dynamic_group: int | None = None) -> tuple[torch.Tensor, float, float]:
+                   dynamic_group: int | None = None, sample_weights: list[float] | None = None
+                   ) -> tuple[torch.Tensor, float, float]:
     """(loss with autograd into ``student``, KD, CE) of the global batch, densely.
 
     ``kd``: keyword arguments of ``loss.reference.kd_loss_details`` (mode, temperature, reverse,
     payload form). Each sample is its own teacher microbatch (as in the run, micro-batch size 1),
     which matters for the microbatch-global top-k. ``dynamic_group``: dynamic scaling over groups
     of that many consecutive samples (one microbatch over DP), else kd weight 1 and ``ce_weight``.
+    ``sample_weights``: each sample's chunks count that many times (reward weighting).
     """
     from megatron_xdistill.loss.reference import kd_loss_details
 
@@ -110,7 +112,8 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
             _padded(s_logits[one]), _padded(t_logits[one]), batch["student_chunk_id"][one],
             batch["teacher_chunk_id"][one], batch["chunk_valid"][one], batch["chunk_exact"][one],
             w, **kd)
-        kd_sums.append(details.per_chunk.sum())
+        kd_sums.append(details.per_chunk.sum() * (1.0 if sample_weights is None
+                                                    else sample_weights[b]))
         counts.append(details.counted.sum().double())
     kd_sum, ce_sum = torch.stack(kd_sums), ce_per_sample
     n_chunks, n_tokens = float(sum(counts)), max(float(tokens_per_sample.sum()), 1.0)

@@ -180,9 +180,13 @@ def _collate_teacher(samples: Sequence[dict], k: int, width: int) -> dict[str, t
 
 
 def collate_samples(samples: Sequence[dict]) -> dict:
-    """Stack samples: the student's keys, and under ``"teachers"`` one dict per teacher."""
+    """Stack samples: the student's keys, and under ``"teachers"`` one dict per teacher
+    (``sample_weight`` [B] when the samples carry reward weights)."""
     width = len(samples[0]["tokens"])
+    weights = {} if "weight" not in samples[0] else {  # reward weighting (on-policy)
+        "sample_weight": torch.tensor([s["weight"] for s in samples], dtype=torch.float32)}
     return {
+        **weights,
         "tokens": torch.from_numpy(np.stack([s["tokens"] for s in samples])),
         "loss_mask": torch.from_numpy(np.stack([s["loss_mask"] for s in samples])),
         "num_bytes": torch.tensor([s["num_bytes"] for s in samples], dtype=torch.int64),

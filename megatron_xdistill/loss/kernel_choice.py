@@ -94,6 +94,28 @@ def build_kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, p
     return GoldKernel(payload, common, vocab.start, num_real, n_unc, options.beta, tp_group)
 
 
+class SampleWeighted:
+    """A kernel whose per-chunk divergences count ``weights[sample]`` times (reward-weighted
+    distillation). Weighting the kernel's ``kl`` weights the forward sums and, through the
+    autograd of ``kl``, the gradient alike; every other attribute is the kernel's."""
+
+    def __init__(self, kernel, weights: torch.Tensor, num_chunks: int) -> None:
+        object.__setattr__(self, "kernel", kernel)
+        object.__setattr__(self, "weights", weights)
+        object.__setattr__(self, "num_chunks", num_chunks)
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self.kernel, name, value)
+
+    def kl(self, raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True):
+        kl, t1 = self.kernel.kl(raw, keys, counts, top1)
+        sample = torch.div(keys, self.num_chunks, rounding_mode="floor")
+        return kl * self.weights.to(kl.device, kl.dtype).index_select(0, sample), t1
+
+
 def teacher_vocab(payload: TeacherPayload, projection) -> int:
     if payload.spec.form == "full":
         return payload.spec.width

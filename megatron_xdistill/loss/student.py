@@ -25,6 +25,7 @@ from .fused_grad import FusedGradWriter
 from .kernel_choice import (
     KernelOptions,
     NoKernel,
+    SampleWeighted,
     VocabShard,
     build_kernel,
     chunk_rows_for,
@@ -486,6 +487,7 @@ def parallel_kd_loss(
     tp_group: Group = None,
     cp_group: Group = None,
     block_bytes: int = BLOCK_BYTES,
+    sample_weights: torch.Tensor | None = None,
 ) -> KDTerms:
     """Local KD (and optionally CE) sums of one microbatch; see the package docstring.
 
@@ -499,7 +501,9 @@ def parallel_kd_loss(
     ``ProjectionMatrix.common_vocab("strict" | "xtoken")``, in pair order). ``labels`` [B, T_local]
     (next-token ids, < 0 = none) adds the fused CE. With ``payload=None`` only CE is computed.
     ``reverse``: KL(student || teacher); ``jsd_beta``: GKD's generalized JSD (0 forward KL,
-    1 reverse KL; :func:`~megatron_xdistill.loss.formulas.divergence`).
+    1 reverse KL; :func:`~megatron_xdistill.loss.formulas.divergence`). ``sample_weights``
+    [B]: each sample's chunks count that many times in the KD sum (reward weighting; the chunk
+    count, the KD denominator, is unweighted).
     """
     if student_logits.dim() != 3:
         raise ValueError(f"student logits must be [B, T, V_local], got {tuple(student_logits.shape)}")
@@ -543,6 +547,11 @@ def parallel_kd_loss(
         rows = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only,
                               cp_group, max_block).to(dev)  # once: kernel and plan index with them
         kernel = build_kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
+        if sample_weights is not None:
+            if sample_weights.shape != (b,):
+                raise ValueError(f"sample_weights must be [B] = [{b}], got "
+                                 f"{tuple(sample_weights.shape)}")
+            kernel = SampleWeighted(kernel, sample_weights.to(dev), payload.spec.num_chunks)
     plan = _Plan(rows=rows, kernel=kernel or NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused)

@@ -32,6 +32,18 @@ def add_onpolicy_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-field", default="prompt", help="record field of a text prompt")
     g.add_argument("--messages-field", default="messages", help="record field of a chat prompt")
     g.add_argument("--answer-field", default="answer", help="record field of the reference answer")
+    g.add_argument("--reward-fn", default=None, metavar="NAME",
+                   help="score each on-policy response: exact_match or last_number (against "
+                   "the record's 'answer'), unit_tests (the response's code then the record's "
+                   "'tests' in a subprocess: 1 if it exits 0), or package.module:function "
+                   "taking (record, response text); logged as 'reward'")
+    g.add_argument("--reward-beta", type=float, default=0.0,
+                   help="reward-weighted distillation: each on-policy sample's divergence "
+                   "counts exp(beta * reward) / (its mean over the global batch) times; 0: "
+                   "rewards are only logged")
+    g.add_argument("--reward-timeout", type=float, default=10.0,
+                   help="seconds a unit_tests reward may run")
+    g.add_argument("--tests-field", default="tests", help="record field of the unit tests")
     g.add_argument("--generations-file", default=None, metavar="PATH",
                    help="JSON Lines of every rollout (step, position, prompt, response ids and "
                    "text, finished), written by rank 0")
@@ -40,6 +52,10 @@ def add_onpolicy_arguments(parser: argparse.ArgumentParser) -> None:
 def check_onpolicy_args(args: argparse.Namespace, check) -> None:
     """``check(condition, message)`` on the on-policy flags against the rest of the run."""
     if not args.on_policy:
+        given = [flag for flag, value in (("--reward-fn", args.reward_fn),
+                                          ("--generations-file", args.generations_file))
+                 if value is not None]
+        check(not given, f"{', '.join(given)} apply to --on-policy runs only")
         return
     check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     check(args.sampling_temperature >= 0, "--sampling-temperature must be >= 0 (0: greedy)")
@@ -68,6 +84,16 @@ def check_onpolicy_args(args: argparse.Namespace, check) -> None:
     check(not args.overlap_param_gather,
           "--on-policy does not work with --overlap-param-gather (generation reads the "
           "parameters outside the training forward)")
+    check(args.reward_beta == 0.0 or args.reward_fn is not None,
+          "--reward-beta needs --reward-fn (the rewards it weights by)")
+    check(args.reward_timeout > 0, "--reward-timeout must be > 0")
+    if args.reward_fn is not None:
+        from megatron_xdistill.onpolicy.rewards import load_reward_fn
+
+        try:
+            load_reward_fn(args.reward_fn)
+        except ValueError as exc:
+            check(False, str(exc))
     for spec in args.teachers:
         check(spec.seq_length is not None,
               f"--on-policy: give the teacher {spec.name!r} its sequence length "

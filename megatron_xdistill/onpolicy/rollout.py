@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from megatron_xdistill.generation import SamplingParams, generate
 from megatron_xdistill.onpolicy.prompts import PromptRecord
+from megatron_xdistill.onpolicy.rewards import call_reward, load_reward_fn, reward_weights
 from megatron_xdistill.onpolicy.samples import Rollout, SampleBuilder
 from megatron_xdistill.storage.atomic import write_text_atomic
 
@@ -59,6 +61,8 @@ class RolloutSteps:
         self.eos = int(tokenizer.eos_token_id)
         self._prompts: dict[int, tuple[int, ...]] = {}
         self.truncated_prompts = 0
+        self.reward_fn = (load_reward_fn(args.reward_fn, args.reward_timeout)
+                          if args.reward_fn else None)
         self.metrics: dict[str, float] = {}
         self.file = args.generations_file if dist.get_rank() == 0 else None
         if self.file is not None:
@@ -110,14 +114,22 @@ class RolloutSteps:
             _seed(self.args.seed, step, side.groups.coords["dp"], 41))
         out = generate(side.model, side.groups, prompts, self.params, eos_token_ids=[self.eos],
                        vocab_size=side.info.vocab_size, device=side.device, generator=generator)
-        return {g: Rollout(i, tuple(p), tuple(out.response(k)), bool(out.finished[k]))
-                for k, (g, i, p) in enumerate(zip(mine, indices, prompts))}
+        rollouts = {g: Rollout(i, tuple(p), tuple(out.response(k)), bool(out.finished[k]))
+                    for k, (g, i, p) in enumerate(zip(mine, indices, prompts))}
+        if self.reward_fn is not None and self._shares():  # scored once per replica
+            rollouts = {g: replace(r, reward=call_reward(
+                self.reward_fn, self.records[r.prompt], self.builder.response_text(r.response)))
+                for g, r in rollouts.items()}
+        return rollouts
+
+    def _shares(self) -> bool:
+        """Whether this rank speaks for its student replica (TP, PP and CP rank 0)."""
+        coords = self.student.groups.coords if self.student is not None else None
+        return coords is not None and coords["tp"] == coords["pp"] == coords["cp"] == 0
 
     def _exchange(self, mine: dict[int, Rollout]) -> dict[int, Rollout]:
         """Every replica's rollouts on every rank (one rank per replica contributes)."""
-        coords = self.student.groups.coords if self.student is not None else None
-        share = mine if coords is not None and coords["tp"] == coords["pp"] == coords["cp"] == 0 \
-            else {}
+        share = mine if self._shares() else {}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, share)
         out: dict[int, Rollout] = {}
@@ -146,9 +158,18 @@ class RolloutSteps:
         self.metrics.update(
             response_tokens=float(np.mean([len(r.response) for r in rollouts.values()])),
             finished_fraction=float(np.mean([r.finished for r in rollouts.values()])))
+        weights = {}
+        rewards = [rollouts[g].reward for g in range(gbs)]
+        if all(r is not None for r in rewards):
+            self.metrics.update(reward=float(np.mean(rewards)))
+            if self.args.reward_beta:
+                w = reward_weights(rewards, self.args.reward_beta)
+                weights = dict(enumerate(w.tolist()))
+                self.metrics.update(reward_weight_max=float(w.max()))
         if self.file is not None:
             self._write(step, rollouts)
-        samples = {g: self.builder.build(step * gbs + g, rollouts[g]) for g in self.positions}
+        samples = {g: self.builder.build(step * gbs + g, rollouts[g], weights.get(g))
+                   for g in self.positions}
         self.metrics["truncated_teacher_chunks"] = float(self.builder.truncated_chunks)
         return samples
 
@@ -161,7 +182,7 @@ class RolloutSteps:
                 r = rollouts[g]
                 fh.write(json.dumps({
                     "iteration": step + 1, "position": g, "prompt": r.prompt,
-                    "on_policy": r.on_policy, "finished": r.finished,
+                    "on_policy": r.on_policy, "finished": r.finished, "reward": r.reward,
                     "response_ids": list(r.response),
                     "response": self.builder.response_text(r.response)}) + "\n")
 

@@ -37,6 +37,7 @@ class Rollout:
     finished: bool
     on_policy: bool = True
     own: tuple[bool, ...] | None = None  # None: every response token
+    reward: float | None = None  # the reward function's score of the response (if any)
 
     def own_mask(self) -> np.ndarray:
         if self.own is None:
@@ -89,8 +90,9 @@ class SampleBuilder:
         raw = b"".join(self.table[i] or b"" for i in response if 0 <= i < len(self.table))
         return raw.decode("utf-8", errors="replace")
 
-    def build(self, index: int, rollout: Rollout) -> dict:
-        """The sample of ``rollout`` (``index``: its id, e.g. step x global batch + position)."""
+    def build(self, index: int, rollout: Rollout, weight: float | None = None) -> dict:
+        """The sample of ``rollout`` (``index``: its id, e.g. step x global batch + position;
+        ``weight``: how many times its chunks count in the KD sum, reward weighting)."""
         own = rollout.own_mask()
         s_tokens = [*rollout.student_prompt, *rollout.response]
         start, n_s = len(rollout.student_prompt), len(s_tokens)
@@ -139,7 +141,9 @@ class SampleBuilder:
                                                        self.teacher_special[k].pad),
                              "teacher_length": len(t_tokens), "chunks": chunks})
         own_ids = [i for i, mine in zip(rollout.response, own) if mine]
+        extra = {} if weight is None else {"weight": float(weight)}
         return {
+            **extra,
             "index": index,
             "tokens": tokens,
             "student_length": n_s,

@@ -182,4 +182,5 @@ class KDObjective:
             jsd_beta=self.args.gkd_beta,
             common_student_ids=self.common_student,
             labels=self.labels(batch) if with_ce else None,
-            tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
+            tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp,
+            sample_weights=batch.get("sample_weight") if payload is not None else None)

@@ -356,7 +356,7 @@ def _rollout_steps(args, tokenizers, distiller, iteration: int):
     from megatron_xdistill.onpolicy.samples import SampleBuilder
 
     fields = PromptFields(prompt=args.prompt_field, messages=args.messages_field,
-                          answer=args.answer_field)
+                          answer=args.answer_field, tests=args.tests_field)
     records = read_prompts(args.data_path[0], fields)
     if args.gkd_lambda < 1.0:
         check_answers(records, f"--gkd-lambda {args.gkd_lambda} (its off-policy steps)")
