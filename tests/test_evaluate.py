@@ -149,3 +149,28 @@ def test_cli(tiny, tmp_path, capsys):
     assert "bits/byte" in capsys.readouterr().out
     assert ev.main(["--hf-dir", str(tiny / "hf"), "--data-path", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def length_reward(record, response: str) -> float:
+    """A reward that tells responses apart: their length in characters."""
+    return float(len(response))
+
+
+def test_prompt_scores_of_megatron_and_hf_agree(tiny, tmp_path):
+    """Greedy responses to held-out prompts: the Megatron checkpoint (KV-cached generation,
+    batched prompts of different lengths) and ``transformers``' ``generate`` give the same
+    responses, hence the same mean reward; the CLI writes them."""
+    from megatron_xdistill.evaluation import prompt_scores as ps
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "answer": "4"}) + "\n" for p in (
+        "What is 2 + 2?", "Write a haiku about the sea, please, in three lines.", "Hi")))
+    kw = dict(reward="test_evaluate:length_reward", max_new_tokens=6, batch_size=3)
+    mcore = ps.evaluate_prompts(str(prompts), load=str(tiny / "ckpt"), **kw)
+    hf = ps.evaluate_prompts(str(prompts), hf_dir=str(tiny / "hf"), **kw)
+    assert [r["response"] for r in mcore["responses"]] == [r["response"] for r in hf["responses"]]
+    assert mcore["mean_reward"] == hf["mean_reward"] > 0
+    out = tmp_path / "scores.json"
+    assert ps.main(["--load", str(tiny / "ckpt"), "--data-path", str(prompts), "--reward-fn",
+                    "last_number", "--max-new-tokens", "4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["prompts"] == 3

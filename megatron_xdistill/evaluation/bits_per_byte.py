@@ -165,7 +165,7 @@ def hf_logits_fn(hf_dir: str, dtype: torch.dtype = torch.float32) -> LogitsFn:
     return logits
 
 
-def _single_process_world() -> bool:
+def single_process_world() -> bool:
     """A one-rank gloo world unless one exists; returns whether it was created here."""
     import torch.distributed as dist
 
@@ -178,7 +178,7 @@ def _single_process_world() -> bool:
     return True
 
 
-def _quiet_loading() -> None:
+def quiet_loading() -> None:
     """Silence notes that say nothing here: torch DCP's single-process / argument-order notes and
     GPTModel's deprecation notice."""
     import logging
@@ -204,7 +204,7 @@ def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsF
 
     if dist.get_world_size() != 1:
         raise RuntimeError("megatron_xdistill.evaluation runs in one process (world size 1)")
-    _quiet_loading()
+    quiet_loading()
     info = load_model_info(load)
     groups = build_model_parallel_groups(ParallelLayout.for_world(1, who="evaluate"))
     model, _ = build_model_for_layout(info, groups, dtype, use_te=False,
@@ -220,7 +220,7 @@ def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsF
     return logits
 
 
-def _tokenizer_dir(load: str | None, hf_dir: str | None, tokenizer: str | None) -> str:
+def model_tokenizer_dir(load: str | None, hf_dir: str | None, tokenizer: str | None) -> str:
     if tokenizer is not None:
         return tokenizer
     if hf_dir is not None:
@@ -245,13 +245,13 @@ def evaluate(data: Sequence[str], load: str | None = None, hf_dir: str | None = 
         raise ValueError("give exactly one of --load and --hf-dir")
     from megatron_xdistill.align import load_tokenizer
 
-    tokenizer_dir = _tokenizer_dir(load, hf_dir, tokenizer)
+    tokenizer_dir = model_tokenizer_dir(load, hf_dir, tokenizer)
     tok = load_tokenizer(tokenizer_dir)
     documents = read_texts(data, text_field, max_docs, max_chars, data_tokenizer or tokenizer_dir)
     what = load if load is not None else hf_dir
     if log is not None:
         log(f"loading {what}")
-    created = load is not None and _single_process_world()
+    created = load is not None and single_process_world()
     try:
         fn = megatron_logits_fn(load) if load is not None else hf_logits_fn(hf_dir)
         if log is not None:
