@@ -3,8 +3,9 @@
 Generation runs in the model's own training layout. Three things a training forward relies on
 do not hold for one-token steps, so :func:`decoding_mode` turns them off and restores them:
 
-* sequence parallelism (a one-token step cannot be split over the TP ranks): off through
-  Megatron's ``set_model_to_sequence_parallel``;
+* sequence parallelism (a one-token step cannot be split over the TP ranks): the attributes
+  Megatron's ``set_model_to_sequence_parallel`` toggles, switched here module by module (its
+  own cache is keyed by ``id(model)``, which a later model in the same process can reuse);
 * context parallelism: every CP rank decodes the whole sequence (CP ranks hold the same weights),
   so the rotary tables and the core attention see CP size 1;
 * training mode and autograd: ``eval()``, ``no_grad``, and Megatron's ``InferenceMode`` flag.
@@ -18,7 +19,6 @@ from collections.abc import Iterator
 import torch
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.utils import set_model_to_sequence_parallel
 
 from megatron_xdistill.models.attention import TorchCoreAttention
 
@@ -37,6 +37,22 @@ def _cp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             and getattr(module, "cp_group", None) is not None and module.cp_group.size() > 1]
 
 
+#: the module attributes that carry sequence parallelism (Megatron's own list)
+_SEQUENCE_PARALLEL_ATTRS = ("sequence_parallel", "scatter_to_sequence_parallel",
+                            "reduce_scatter_embeddings")
+
+
+def _sequence_parallel_off(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, bool]]:
+    """Turn sequence parallelism off everywhere in ``model``; returns what to restore."""
+    saved = []
+    for module in model.modules():
+        for attr in _SEQUENCE_PARALLEL_ATTRS:
+            if getattr(module, attr, None) is True:
+                saved.append((module, attr, True))
+                setattr(module, attr, False)
+    return saved
+
+
 @contextlib.contextmanager
 def decoding_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Within the block ``model`` (unwrapped) decodes: eval, no autograd, no sequence or context
@@ -47,8 +63,8 @@ def decoding_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     cp_modules = _cp_modules(model)
     cp_groups = [module.cp_group for module in cp_modules]
     model.eval()
-    if sequence_parallel:
-        set_model_to_sequence_parallel(model, False)
+    saved = _sequence_parallel_off(model)
+    model.config.sequence_parallel = False
     for module in cp_modules:
         module.cp_group = None
     try:
@@ -57,6 +73,7 @@ def decoding_mode(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     finally:
         for module, group in zip(cp_modules, cp_groups):
             module.cp_group = group
-        if sequence_parallel:
-            set_model_to_sequence_parallel(model, True)
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+        model.config.sequence_parallel = sequence_parallel
         model.train(was_training)

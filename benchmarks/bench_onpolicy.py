@@ -1,0 +1,82 @@
+"""On-policy step time: how fast the student generates, and what share of a step generation takes.
+
+SmolLM2-135M (student, DP over the ranks) samples responses to short prompts with its Megatron
+model in its training layout (KV-cached, ``megatron_xdistill.generation``); Qwen2.5-Coder-0.5B
+(TP 2) scores them; the step trains on them (``pretrain_xdistill.py --on-policy``, reverse KL).
+Rows vary the response length; the generation batch is each replica's share of the global batch.
+
+  python benchmarks/bench_onpolicy.py [--train-iters 4] [--nproc 2] [--new-tokens 16 64]
+
+Each row is the mean of steps 2..N (the first is warm-up). ``tokens/s`` is one replica's newly
+generated tokens per second of generation (every rank of a replica decodes together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+PROMPTS = [f"What is {a} + {b}?" for a, b in [(12, 34), (56, 7), (81, 19), (23, 45), (67, 89),
+                                              (10, 90), (44, 55), (31, 62)]]
+
+
+def _measure(args, models, prompts: Path, new_tokens: int, work: Path) -> dict:
+    from megatron_xdistill.demo.workflow import cpu_env, pretrain_command, read_metrics, run_command
+
+    metrics = work / f"metrics-{new_tokens}.jsonl"
+    cmd = pretrain_command(models, args.nproc, {
+        "on-policy": True, "data-path": prompts, "seq-length": 128 + new_tokens,
+        "teacher-seq-length": 2 * (128 + new_tokens), "max-new-tokens": new_tokens,
+        "teacher-tensor-model-parallel-size": 2 if args.nproc % 2 == 0 else 1,
+        "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
+        "train-iters": args.train_iters, "lr": "1e-5", "kd-topk": 64, "gkd-beta": 1.0,
+        "ce-weight": 0.0, "sampling-temperature": 1.0, "log-interval": 1,
+        "metrics-file": metrics})
+    run_command(cmd, env=dict(cpu_env(1), CUDA_VISIBLE_DEVICES=""),
+                stdout_path=work / f"log-{new_tokens}.txt")
+    steps = [r for r in read_metrics(metrics) if "kd" in r][1:]
+
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in steps)
+
+    wall = mean("elapsed_ms_per_iteration") / 1e3
+    return {"new_tokens": new_tokens, "response": mean("response_tokens"),
+            "generate": mean("time_generate"), "tokens_per_s": mean("generate_tokens_per_s"),
+            "teacher": mean("time_teacher"), "student": mean("time_student"), "wall": wall,
+            "share": mean("time_generate") / wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train-iters", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = parser.parse_args()
+
+    from megatron_xdistill.demo.workflow import prepare_models
+
+    models = prepare_models("qwen2.5-coder-0.5b", "smollm2-135m", log=print)
+    work = Path(tempfile.mkdtemp(prefix="bench-onpolicy-"))
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    try:
+        rows = [_measure(args, models, prompts, n, work) for n in args.new_tokens]
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print("\n| max new tokens | mean response | generate s | tokens/s (replica) | teacher s "
+          "| student s | wall s | generating share |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['new_tokens']} | {r['response']:.1f} | {r['generate']:.2f} | "
+              f"{r['tokens_per_s']:.1f} | {r['teacher']:.2f} | {r['student']:.2f} | "
+              f"{r['wall']:.2f} | {100 * r['share']:.0f}% |")
+
+
+if __name__ == "__main__":
+    main()
