@@ -156,6 +156,7 @@ class RolloutSteps:
             raise RuntimeError(f"step {step + 1}: rollouts of {len(rollouts)} of {gbs} "
                                f"positions arrived (rank {dist.get_rank()})")
         self.metrics.update(
+            tokens=sum(len(r.response) for r in rollouts.values()),  # what the step trains on
             response_tokens=float(np.mean([len(r.response) for r in rollouts.values()])),
             finished_fraction=float(np.mean([r.finished for r in rollouts.values()])))
         weights = {}
