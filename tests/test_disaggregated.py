@@ -30,7 +30,10 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [
+    "disagg_student_tp2_teacher_tp2",
+    # its layout runs by default in test_two_nodes_match_colocated_reference (across nodes)
+    pytest.param("disagg_student_pp2_teacher_dp2", marks=pytest.mark.slow)])
 def test_first_steps_match_colocated_reference(e2e_setup, e2e_reference, e2e_pool, name):
     root, s_tok, t_tok = e2e_setup
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, name, DISAGGREGATED + LAYOUTS[name]))
