@@ -108,7 +108,8 @@ def score(cfg, label: str, model: list[str], data: dict, work: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def report(cfg, scores: dict, runs: dict, work: Path) -> Path:
+def report(cfg, scores: dict, runs: dict, out: Path) -> Path:
+    """REPORT.md (pass rates, time per step, generating share) and results.json in ``out``."""
     lines = ["# On-policy vs off-policy distillation (held-out pass rate)", "",
              f"Student {cfg.student}, teacher {cfg.teacher}; {cfg.steps} steps x "
              f"{cfg.global_batch_size} prompts, up to {cfg.max_new_tokens} new tokens; "
@@ -125,10 +126,20 @@ def report(cfg, scores: dict, runs: dict, work: Path) -> Path:
             step, gen = f"{wall:.1f}", f"{100 * share:.0f}%"
         name = cfg.variants[label].label if label in cfg.variants else label
         lines.append(f"| {name} | {result['mean_reward']:.3f} | {step} | {gen} |")
-    path = work / "REPORT.md"
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"scores": {k: {key: v[key] for key in ("prompts", "mean_reward")}
+                          for k, v in scores.items()}, "config": _plain(cfg)}
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    path = out / "REPORT.md"
     path.write_text("\n".join(lines) + "\n")
     say(f"wrote {path}")
     return path
+
+
+def _plain(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 def run(cfg) -> dict:
@@ -149,7 +160,7 @@ def run(cfg) -> dict:
         scores[name] = score(cfg, f"{name}-step{cfg.steps}",
                              ["--load", str(run_dir / "ckpt"), "--tokenizer-model",
                               str(models.student_hf)], data, work)
-    report(cfg, scores, runs, work)
+    report(cfg, scores, runs, Path(cfg.report_dir).resolve())
     return scores
 
 
