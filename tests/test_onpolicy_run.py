@@ -182,3 +182,30 @@ def test_reward_weights_scale_each_samples_divergence(setup, pool):
                                         ce_weight=0.0)
     assert metrics["kd"] == pytest.approx(want_kd, rel=RTOL)
     assert abs(want_kd - plain_kd) > 1e-3 * plain_kd  # the weights changed the loss
+
+
+def test_several_teachers_grade_the_same_rollouts(setup, pool):
+    """On-policy with two teachers: the cross-tokenizer one and the student's own checkpoint as
+    a same-tokenizer teacher (token-level KL over the response). Greedy rollouts are the same
+    as with one teacher, the cross teacher's KD equals the one-teacher run's, and the student
+    graded by itself has zero divergence at the first step (same weights, same distribution)."""
+    import yaml
+
+    root, s_tok, t_tok = setup
+    config = root / "onpolicy_teachers.yaml"
+    config.write_text(yaml.safe_dump({"teachers": [
+        {"name": "qwen", "load": str(root / "teacher"), "tokenizer_model": str(t_tok),
+         "projection_path": str(root / "proj.safetensors"), "seq_length": 112, "weight": 0.5},
+        {"name": "self", "load": str(root / "student"), "tokenizer_model": str(s_tok),
+         "seq_length": 64, "weight": 0.5}], "combination": "sum"}))
+    greedy = ["--sampling-temperature", "0", "--train-iters", "1"]
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "one_teacher", greedy))
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "two_teachers",
+                              [*greedy, "--teachers-config", str(config)]))
+    one = _records(root, "one_teacher", ".gen.jsonl")
+    two = _records(root, "two_teachers", ".gen.jsonl")
+    assert [r["response_ids"] for r in two] == [r["response_ids"] for r in one]
+    [m1] = [m for m in _records(root, "one_teacher") if "kd" in m]
+    [m2] = [m for m in _records(root, "two_teachers") if "kd" in m]
+    assert m2["kd/qwen"] == pytest.approx(m1["kd"], rel=RTOL)
+    assert abs(m2["kd/self"]) < 1e-5 and m2["chunks/self"] > 0
