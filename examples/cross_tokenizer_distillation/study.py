@@ -12,8 +12,8 @@ standard library split by module; seeds change the data order.
 The teacher runs once per payload form: ``pretrain_xdistill.py --teacher-cache-only`` fills a
 payload cache that every run of that form reads (``--teacher-cache``), so a variant costs a
 student's training only. A variant with ``extra_teachers`` distils from several teachers at once
-(``--teachers-config``, weights 1/n summed); each teacher fills its own cache in one pass. Every stage is resumable: runs continue from their last checkpoint,
-teacher passes from their last committed shard, finished stages are skipped; a run recorded in ``results/<exp>.json`` beside this file (kept with
+(``--teachers-config``, weights 1/n summed); each teacher fills its own cache in one pass.
+Every stage is resumable: runs continue from their last checkpoint, teacher passes from their last committed shard, finished stages are skipped; a run recorded in ``results/<exp>.json`` beside this file (kept with
 the example, so a study can span machines) with the same settings is not run again. ``REPORT-<exp>.md``
 (mean +- std over seeds per held-out set, differences to CE-only called real only beyond twice
 the seed spread, paired training curves) is rewritten from ``work_dir/results.json``.
@@ -211,10 +211,12 @@ def teacher_models(cfg, pair: ModelPair, names: list[str]) -> list[ModelPair]:
     return out
 
 
-def teachers_file(cfg, work: Path, pair: ModelPair, variant: dict, seed: int) -> Path:
-    """The ``--teachers-config`` of a several-teacher variant: each teacher's checkpoint,
-    tokenizer, projection, its own payload cache, and weight 1/n (combination: sum). Every
-    teacher decides the packing cuts, so its cache is named with the whole set."""
+def teachers_file(cfg, work: Path, pair: ModelPair, variant: dict, seed: int
+                  ) -> tuple[Path, list[Path]]:
+    """The ``--teachers-config`` of a several-teacher variant (each teacher's checkpoint,
+    tokenizer, projection, its own payload cache, and weight 1/n; combination: sum) and the
+    caches it names. Every teacher decides the packing cuts, so its cache is named with the
+    whole set."""
     import yaml
 
     names = teacher_names(cfg, variant)
@@ -230,20 +232,17 @@ def teachers_file(cfg, work: Path, pair: ModelPair, variant: dict, seed: int) ->
     text = yaml.safe_dump({"teachers": teachers, "combination": "sum"}, sort_keys=False)
     if not path.is_file() or path.read_text() != text:
         path.write_text(text)
-    return path
+    return path, [Path(t["cache"]) for t in teachers]
 
 
 def teacher_pass(cfg, work: Path, pair: ModelPair, data: dict, variant: dict, seed: int) -> dict:
     """Fill the payload cache(s) of a variant's form (skipped when complete; resumes otherwise):
     the ``pretrain_xdistill.py`` options that read them (``--teacher-cache`` or, for several
     teachers, ``--teachers-config`` whose teachers each name their cache)."""
-    import yaml
-
     from megatron_xdistill.teacher_cache import cache_is_complete
 
     if len(teacher_names(cfg, variant)) > 1:
-        config = teachers_file(cfg, work, pair, variant, seed)
-        caches = [Path(t["cache"]) for t in yaml.safe_load(config.read_text())["teachers"]]
+        config, caches = teachers_file(cfg, work, pair, variant, seed)
         reading = {"teachers-config": str(config)}
         log = config.with_suffix(".log")
     else:

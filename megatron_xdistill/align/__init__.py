@@ -4,6 +4,7 @@ See DESIGN.md, "Alignment" and "Next-token shift". Public API:
 
 Canonical token text (``canonical``)
     ``token_bytes_table(tokenizer) -> list[bytes | None]``: bytes of every id (``None``: special).
+    ``ids_bytes(tokenizer, ids) -> bytes``: the text bytes a sequence of ids spells.
     ``token_table(tokenizer) -> TokenTable``: same in flat numpy form, plus family, prefix-space
     flag and unk id. ``special_token_ids(tok)``, ``is_special_token_id(tok, id)``. Cached.
 
@@ -41,6 +42,7 @@ from typing import Any
 
 from .canonical import (
     TokenTable,
+    ids_bytes,
     is_special_token_id,
     special_token_ids,
     token_bytes_table,
@@ -61,6 +63,7 @@ _LAZY = {
 
 __all__ = [
     "TokenTable",
+    "ids_bytes",
     "is_special_token_id",
     "special_token_ids",
     "token_bytes_table",

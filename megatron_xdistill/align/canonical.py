@@ -221,6 +221,13 @@ def token_bytes_table(tokenizer: Any) -> list[bytes | None]:
     return token_table(tokenizer).table
 
 
+def ids_bytes(tokenizer: Any, ids) -> bytes:
+    """The bytes a sequence of ids spells in text (special tokens and ids outside the vocabulary
+    spell nothing; a leading SentencePiece space is kept)."""
+    table = token_bytes_table(tokenizer)
+    return b"".join(table[i] or b"" for i in ids if 0 <= i < len(table))
+
+
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """Ids with no canonical text: control tokens (BOS/EOS/pad/...), special added tokens, unk."""
     return frozenset(np.flatnonzero(token_table(tokenizer).special).tolist())

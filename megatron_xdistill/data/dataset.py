@@ -104,10 +104,9 @@ class DistillationDataset(torch.utils.data.Dataset):
         return len(self.plan)
 
     def _token_bytes(self, ids: np.ndarray) -> int:
-        from megatron_xdistill.align import token_bytes_table
+        from megatron_xdistill.align import ids_bytes
 
-        table = token_bytes_table(self.tokenizers.student_tokenizer)
-        return sum(len(table[i]) for i in ids.tolist() if 0 <= i < len(table) and table[i])
+        return len(ids_bytes(self.tokenizers.student_tokenizer, ids.tolist()))
 
     def __getitem__(self, index: int) -> dict:
         pieces = self.plan.sample_pieces(index).tolist()

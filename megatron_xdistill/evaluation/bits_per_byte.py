@@ -189,10 +189,10 @@ def quiet_loading() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
-def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsFn:
-    """A Megatron checkpoint (converted or a training run) as a logits function: GPTModel at
-    TP = PP = 1 in this process. Needs a one-rank torch.distributed world (see
-    :func:`evaluate`, which creates one when none exists)."""
+def single_process_model(load: str, dtype: torch.dtype = torch.float32):
+    """A Megatron checkpoint (converted or a training run) as GPTModel at TP = PP = 1 in this
+    process, in eval mode: ``(model, groups, model info)``. Needs a one-rank torch.distributed
+    world (see :func:`single_process_world`)."""
     import torch.distributed as dist
 
     from megatron_xdistill.models import (
@@ -211,6 +211,14 @@ def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsF
                                       perform_initialization=False, use_cpu_initialization=True)
     load_megatron_checkpoint(model, load, groups.pg_collection)
     model.eval()
+    return model, groups, info
+
+
+def megatron_logits_fn(load: str, dtype: torch.dtype = torch.float32) -> LogitsFn:
+    """A Megatron checkpoint (converted or a training run) as a logits function
+    (:func:`single_process_model`; :func:`evaluate` creates the one-rank world when none
+    exists)."""
+    model, _, info = single_process_model(load, dtype)
     vocab = info.vocab_size  # columns past it are Megatron's vocabulary padding
 
     def logits(tokens: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from megatron_xdistill.evaluation.bits_per_byte import (
     model_tokenizer_dir,
-    quiet_loading,
+    single_process_model,
     single_process_world,
 )
 
@@ -35,19 +35,8 @@ Decoder = Callable[[list[list[int]]], list[tuple[list[int], bool]]]
 def megatron_decoder(load: str, max_new_tokens: int, eos: int) -> Decoder:
     """Greedy decoding with a Megatron checkpoint at TP = PP = 1 in this process."""
     from megatron_xdistill.generation import SamplingParams, generate
-    from megatron_xdistill.models import (
-        build_model_for_layout,
-        load_megatron_checkpoint,
-        load_model_info,
-    )
-    from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
 
-    quiet_loading()
-    info = load_model_info(load)
-    groups = build_model_parallel_groups(ParallelLayout.for_world(1, who="evaluate"))
-    model, _ = build_model_for_layout(info, groups, torch.float32, use_te=False,
-                                      perform_initialization=False, use_cpu_initialization=True)
-    load_megatron_checkpoint(model, load, groups.pg_collection)
+    model, groups, info = single_process_model(load)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
 
     def decode(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
@@ -83,19 +72,17 @@ def hf_decoder(hf_dir: str, max_new_tokens: int, eos: int) -> Decoder:
 def score_prompts(decode: Decoder, tokenizer, records, reward_fn, batch_size: int = 8,
                   chat_template: bool = True, log: Callable[[str], None] | None = None) -> dict:
     """Mean reward of greedy responses to ``records`` and the responses themselves."""
-    from megatron_xdistill.align import token_bytes_table
+    from megatron_xdistill.align import ids_bytes
     from megatron_xdistill.onpolicy.prompts import prompt_ids
     from megatron_xdistill.onpolicy.rewards import call_reward
 
-    table = token_bytes_table(tokenizer)
     start = time.perf_counter()
     rows = []
     for lo in range(0, len(records), batch_size):
         part = records[lo: lo + batch_size]
         outputs = decode([prompt_ids(tokenizer, r, chat_template) for r in part])
         for record, (ids, finished) in zip(part, outputs):
-            text = b"".join(table[i] or b"" for i in ids if 0 <= i < len(table)).decode(
-                "utf-8", errors="replace")
+            text = ids_bytes(tokenizer, ids).decode("utf-8", errors="replace")
             rows.append({"prompt": record.index, "response": text, "finished": finished,
                          "reward": call_reward(reward_fn, record, text)})
         if log is not None:

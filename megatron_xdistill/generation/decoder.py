@@ -46,12 +46,6 @@ class Generation:
         """Sequence ``i``'s response ids (with its EOS when it ended on one)."""
         return self.tokens[i, int(self.prompt_lengths[i]):int(self.lengths[i])].tolist()
 
-    @property
-    def response_mask(self) -> torch.Tensor:
-        """[b, L] True at response positions."""
-        pos = torch.arange(self.tokens.size(1))[None, :]
-        return (pos >= self.prompt_lengths[:, None]) & (pos < self.lengths[:, None])
-
 
 def _kv_cache(model, context: StaticInferenceContext, device: torch.device,
               dtype: torch.dtype) -> None:

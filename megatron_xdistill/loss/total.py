@@ -39,11 +39,7 @@ def counted_chunks(student_chunk_id: torch.Tensor, teacher_chunk_id: torch.Tenso
 
 def global_sums(terms: KDTerms, dp_cp_group: Group) -> dict[str, torch.Tensor]:
     """This microbatch's sums over the DP x CP group (detached; one all-reduce)."""
-    local = torch.stack([terms.kd_sum.detach().double(), terms.kd_count.double(),
-                         terms.top1.double(), terms.ce_sum.detach().double(),
-                         terms.ce_count.double()])
-    total = all_reduce(local.contiguous(), dp_cp_group)
-    return dict(zip(("kd_sum", "kd_count", "top1", "ce_sum", "ce_count"), total))
+    return _global_sums_of_all([terms], dp_cp_group)[0]
 
 
 def _global_sums_of_all(terms: Sequence[KDTerms], dp_cp_group: Group

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_xdistill.generation import SamplingParams, generate
-from megatron_xdistill.onpolicy.prompts import PromptRecord
+from megatron_xdistill.onpolicy.prompts import PromptRecord, response_ids
 from megatron_xdistill.onpolicy.rewards import call_reward, load_reward_fn, reward_weights
 from megatron_xdistill.onpolicy.samples import Rollout, SampleBuilder
 from megatron_xdistill.storage.atomic import write_text_atomic
@@ -60,7 +60,8 @@ class RolloutSteps:
         tokenizer = builder.tokenizers.student_tokenizer
         self.eos = int(tokenizer.eos_token_id)
         self._prompts: dict[int, tuple[int, ...]] = {}
-        self.truncated_prompts = 0
+        self._answers: dict[int, list[int]] = {}
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, its prompt permutation)
         self.reward_fn = (load_reward_fn(args.reward_fn, args.reward_timeout)
                           if args.reward_fn else None)
         self.metrics: dict[str, float] = {}
@@ -73,8 +74,11 @@ class RolloutSteps:
         """The prompt record at ``position`` of ``step``."""
         n = len(self.records)
         flat = step * self.args.global_batch_size + position
-        order = np.random.default_rng(_seed(self.args.seed, flat // n, 17)).permutation(n)
-        return int(order[flat % n])
+        epoch = flat // n
+        if self._order is None or self._order[0] != epoch:  # one permutation per epoch
+            self._order = (epoch, np.random.default_rng(_seed(self.args.seed, epoch, 17))
+                           .permutation(n))
+        return int(self._order[1][flat % n])
 
     def on_policy(self, step: int) -> bool:
         return is_on_policy_step(self.args.seed, self.args.gkd_lambda, step)
@@ -85,7 +89,6 @@ class RolloutSteps:
             ids = self.builder.student_prompt(self.records[index])
             limit = self.args.max_prompt_length
             if len(ids) > limit:
-                self.truncated_prompts += 1
                 self.log(f"> prompt {self.records[index].where}: {len(ids)} tokens, keeping "
                          f"the last {limit} (--max-prompt-length)")
                 ids = ids[-limit:]
@@ -95,10 +98,10 @@ class RolloutSteps:
     def reference(self, step: int, position: int) -> Rollout:
         """The reference answer at a position (an off-policy step)."""
         index = self.prompt_of(step, position)
-        record = self.records[index]
-        tokenizer = self.builder.tokenizers.student_tokenizer
-        ids = [int(i) for i in tokenizer(record.answer, add_special_tokens=False)["input_ids"]]
-        ids.append(self.eos)
+        if index not in self._answers:
+            tokenizer = self.builder.tokenizers.student_tokenizer
+            self._answers[index] = response_ids(tokenizer, self.records[index].answer, self.eos)
+        ids = self._answers[index]
         finished = len(ids) <= self.args.max_new_tokens
         return Rollout(index, self.student_prompt(index), tuple(ids[: self.args.max_new_tokens]),
                        finished, on_policy=False)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_xdistill.align import token_bytes_table
+from megatron_xdistill.align import ids_bytes, token_bytes_table
 from megatron_xdistill.data.packing import SpecialTokens
 from megatron_xdistill.data.tokenizations import SampleTokenizers
 from megatron_xdistill.onpolicy.prompts import PromptRecord, prompt_ids
@@ -70,7 +70,6 @@ class SampleBuilder:
         self.special = SpecialTokens.of(tokenizers.student_tokenizer)
         self.teacher_special = [SpecialTokens.of(t) for t in tokenizers.teacher_tokenizers]
         self._teacher_prompts: dict[tuple[int, int], list[int]] = {}
-        self.table = token_bytes_table(tokenizers.student_tokenizer)
         #: chunks dropped because a teacher's tokens did not fit its sequence length
         self.truncated_chunks = 0
 
@@ -87,8 +86,8 @@ class SampleBuilder:
     def response_text(self, response: Sequence[int]) -> str:
         """The text the response ids spell (their canonical bytes: a leading space is kept, as
         the response continues the prompt; special tokens spell nothing)."""
-        raw = b"".join(self.table[i] or b"" for i in response if 0 <= i < len(self.table))
-        return raw.decode("utf-8", errors="replace")
+        return ids_bytes(self.tokenizers.student_tokenizer, response).decode("utf-8",
+                                                                              errors="replace")
 
     def build(self, index: int, rollout: Rollout, weight: float | None = None) -> dict:
         """The sample of ``rollout`` (``index``: its id, e.g. step x global batch + position;
@@ -148,8 +147,7 @@ class SampleBuilder:
             "tokens": tokens,
             "student_length": n_s,
             "loss_mask": loss_mask,
-            "num_bytes": sum(len(self.table[i] or b"") for i in own_ids
-                             if 0 <= i < len(self.table)),
+            "num_bytes": len(ids_bytes(self.tokenizers.student_tokenizer, own_ids)),
             "teachers": teachers,
             "prompt": rollout.prompt,
             "response_start": start,

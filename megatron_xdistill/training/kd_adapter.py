@@ -183,4 +183,4 @@ class KDObjective:
             common_student_ids=self.common_student,
             labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp,
-            sample_weights=batch.get("sample_weight") if payload is not None else None)
+            sample_weights=batch.get("sample_weight"))

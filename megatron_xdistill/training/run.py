@@ -188,20 +188,16 @@ def _corpus(args, tokenizers) -> tuple[dict, object, object]:
 
     meta = _on_rank0(read)
     _set_teacher_lengths(args, meta["teacher_seq_lengths"])
-    sources = parse_data_path(args.data_path)
-    counts = meta["train"]
-    if args.on_policy:
-        train = None
-        valid = None if meta["valid"] is None else DocumentNumbering.whole(
-            parse_data_path(args.valid_data_path, "--valid-data-path"), meta["valid"])
-    elif args.split is not None:
-        parts = [split_ranges(args.split, c) for c in counts]
+    if args.split is not None:
+        sources = parse_data_path(args.data_path)
+        parts = [split_ranges(args.split, c) for c in meta["train"]]
         train = DocumentNumbering(sources, [p[0] or (0, 0) for p in parts])
         valid = DocumentNumbering(sources, [p[1] or (0, 0) for p in parts])
-    else:
-        train = DocumentNumbering.whole(sources, counts)
-        valid = None if meta["valid"] is None else DocumentNumbering.whole(
-            parse_data_path(args.valid_data_path, "--valid-data-path"), meta["valid"])
+        return loaded, train, valid
+    train = None if args.on_policy else DocumentNumbering.whole(parse_data_path(args.data_path),
+                                                                meta["train"])
+    valid = None if meta["valid"] is None else DocumentNumbering.whole(
+        parse_data_path(args.valid_data_path, "--valid-data-path"), meta["valid"])
     return loaded, train, valid
 
 
@@ -474,7 +470,6 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 now = time.perf_counter()
                 record = {"iteration": iteration, "train_iters": args.train_iters, **metrics,
-                          **getattr(steps, "metrics", {}),
                           "elapsed_ms_per_iteration": round(1e3 * (now - last) / steps_since, 1),
                           "tokens_per_s": round(tokens_since / (now - last), 1),
                           "consumed_samples": iteration * args.global_batch_size,
