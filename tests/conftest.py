@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+from scratch import scratch_dir
 from shared_assets import ASSETS, SKIP_REASON, have_shared_assets
 
 _GPU_SESSION = False
@@ -76,13 +77,13 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 @pytest.fixture(scope="session")
-def e2e_setup(tmp_path_factory):
+def e2e_setup(request, tmp_path_factory):
     """``(root, student tokenizer, teacher tokenizer)`` of test_e2e.make_setup."""
     from test_e2e import make_setup
 
     if not have_shared_assets():
         pytest.skip(SKIP_REASON)
-    return make_setup(tmp_path_factory.mktemp("e2e"))
+    return make_setup(scratch_dir(request, tmp_path_factory, "e2e"))
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from scratch import scratch_dir
 from shared_assets import TOKENIZERS, needs_shared_assets
 
 from megatron_xdistill.data.packing import load_documents
@@ -72,12 +73,12 @@ def test_a_file_that_is_no_projection_is_named(tmp_path):
 
 # ---------------------------------------------------------------------------- checkpoints
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory):
+def converted(request, tmp_path_factory):
     from conversion import convert_hf_to_mcore
     from megatron_xdistill.testing.multirank import RankPool
     from megatron_xdistill.testing.tiny_models import make_tiny_model
 
-    root = tmp_path_factory.mktemp("bad_ckpt")
+    root = scratch_dir(request, tmp_path_factory, "bad_ckpt")
     hf = make_tiny_model("smollm2", str(root / "hf"), seed=1)
     with RankPool(1) as pool:
         pool.run(convert_hf_to_mcore, hf, str(root / "ckpt"))

@@ -14,6 +14,7 @@ import shutil
 
 import pytest
 import torch
+from scratch import scratch_dir
 
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.mcore_to_hf import convert_mcore_to_hf
@@ -34,8 +35,8 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny_hf")
+def tiny_root(request, tmp_path_factory):
+    return scratch_dir(request, tmp_path_factory, "tiny_hf")
 
 
 def _tokenizers() -> str | None:
@@ -62,11 +63,11 @@ def _assert_same_tensors(original: str, exported: str) -> None:
 
 
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
-def test_convert_verify_and_round_trip(pool, tiny_root, family):
-    hf_dir = make_tiny_model(family, str(tiny_root / family), _tokenizers(), seed=3)
+def test_convert_verify_and_round_trip(pool, tmp_path, family):
+    hf_dir = make_tiny_model(family, str(tmp_path / family), _tokenizers(), seed=3)
     ckpts = {}
     for tp, pp in LAYOUTS:
-        ckpts[tp, pp] = str(tiny_root / f"{family}_mcore_tp{tp}pp{pp}")
+        ckpts[tp, pp] = str(tmp_path / f"{family}_mcore_tp{tp}pp{pp}")
         pool.run(convert_hf_to_mcore, hf_dir, ckpts[tp, pp], tp, pp)
         metrics = pool.run(verify_conversion, hf_dir, ckpts[tp, pp], tp, pp, 2, 32, 0, False)[0]
         _assert_matches_hf(metrics, f"{family} written and run at TP{tp} PP{pp}")
@@ -78,7 +79,7 @@ def test_convert_verify_and_round_trip(pool, tiny_root, family):
     metrics = pool.run(verify_conversion, hf_dir, ckpts[1, 1], 2, 1, 2, 32, 0, False, 2)[0]
     _assert_matches_hf(metrics, f"{family} run at TP2 CP2")
 
-    exported = str(tiny_root / f"{family}_hf_back")
+    exported = str(tmp_path / f"{family}_hf_back")
     pool.run(convert_mcore_to_hf, ckpts[2, 2], exported)
     _assert_same_tensors(hf_dir, exported)
 

@@ -12,6 +12,7 @@ import textwrap
 
 import pytest
 import torch
+from scratch import scratch_dir
 
 from conversion.safetensors_io import SafetensorsFolder, TensorSpec, write_safetensors
 from megatron_xdistill.storage import atomic_directory
@@ -26,8 +27,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
+def tiny(request, tmp_path_factory):
+    root = scratch_dir(request, tmp_path_factory, "cli")
     tokenizers = TOKENIZERS if os.path.isdir(TOKENIZERS) else None
     make_tiny_model("smollm2", str(root / "smollm2"), tokenizers, seed=5)
     return root

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from scratch import scratch_dir
 
 from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.launch import run_distributed
@@ -27,10 +28,10 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(request, tmp_path_factory):
     if not os.path.isdir(os.path.join(TOKENIZERS, "smollm2")):
         pytest.skip("needs the shared tokenizers (../shared/assets/tokenizers)")
-    root = tmp_path_factory.mktemp("evaluate")
+    root = scratch_dir(request, tmp_path_factory, "evaluate")
     hf = make_tiny_model("smollm2", str(root / "hf"), TOKENIZERS, seed=7)
     run_distributed(convert_hf_to_mcore, 1, hf, str(root / "ckpt"))
     data = root / "docs.jsonl"

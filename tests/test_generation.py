@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scratch import scratch_dir
 
 from megatron_xdistill.generation import SamplingParams, filter_logits, sample_next
 from megatron_xdistill.testing.multirank import RankPool
@@ -34,11 +35,11 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, pool):
+def tiny(request, tmp_path_factory, pool):
     """{family: (hf_dir, Megatron checkpoint)} for the families the tests decode."""
     from conversion.hf_to_mcore import convert_hf_to_mcore
 
-    root = tmp_path_factory.mktemp("generation")
+    root = scratch_dir(request, tmp_path_factory, "generation")
     out = {}
     for family in ("smollm2", "gemma3", "qwen2"):
         hf_dir = make_tiny_model(family, str(root / family), seed=11)

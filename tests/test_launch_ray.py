@@ -17,6 +17,7 @@ import uuid
 
 import psutil
 import pytest
+from scratch import scratch_dir
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]'")
 
@@ -49,8 +50,8 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("torchrun")
+def reference(request, tmp_path_factory):
+    out = scratch_dir(request, tmp_path_factory, "torchrun")
     done = run_torchrun([TESTS / "ray_entry.py", "--out", out, "--steps", STEPS], nproc=WORLD,
                         timeout_s=300)
     assert done.returncode == 0, done.stderr

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from scratch import scratch_dir
 
 from megatron_xdistill.testing.multirank import RankPool
 
@@ -163,8 +164,8 @@ def pool():
 
 
 @pytest.fixture(scope="module")
-def reference(pool, tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("megatron_base"))
+def reference(pool, request, tmp_path_factory):
+    root = str(scratch_dir(request, tmp_path_factory, "megatron_base"))
     ckpt = _shared_dir(root, "init")
     ref = pool.run(_reference, ckpt)[0]
     return root, ckpt, ref

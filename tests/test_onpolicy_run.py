@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scratch import scratch_dir
 from shared_assets import needs_shared_assets
 from test_e2e import _run_main, make_setup
 from test_trainer_reference import _hf, reference_step
@@ -34,8 +35,8 @@ PROMPTS = [("What is the capital of France?", " Paris."), ("Name a prime number.
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root, s_tok, t_tok = make_setup(tmp_path_factory.mktemp("onpolicy"))
+def setup(request, tmp_path_factory):
+    root, s_tok, t_tok = make_setup(scratch_dir(request, tmp_path_factory, "onpolicy"))
     (root / "prompts.jsonl").write_text("".join(
         json.dumps({"prompt": p, "answer": a}) + "\n" for p, a in PROMPTS))
     return root, s_tok, t_tok
@@ -94,6 +95,30 @@ def test_greedy_rollouts_equal_hf_generate_and_the_kd_equals_the_dense_reference
     pool.run(_run_main, _argv(root, s_tok, t_tok, name, [
         "--sampling-temperature", "0", "--tensor-model-parallel-size", "2",
         "--teacher-tensor-model-parallel-size", "2", "--train-iters", "1"]))
+    _check_greedy_first_step(root, s_tok, t_tok, name)
+
+
+def test_a_disaggregated_teacher_grades_the_rollouts_it_receives(setup, pool):
+    """Student on rank 0, teacher on rank 1: the teacher rank generates nothing, receives the
+    student's rollouts in the step's exchange and grades them; the same references hold."""
+    root, s_tok, t_tok = setup
+    name = "greedy_disaggregated"
+    greedy = ["--sampling-temperature", "0", "--train-iters", "2"]
+    pool.run(_run_main, _argv(root, s_tok, t_tok, name, [
+        *greedy, "--teacher-placement", "disaggregated", "--teacher-ranks", "1"]))
+    _check_greedy_first_step(root, s_tok, t_tok, name)
+    # The second step rolls out with the updated student: as a colocated run (DP 2) does.
+    pool.run(_run_main, _argv(root, s_tok, t_tok, "greedy_colocated_dp2", greedy))
+    apart = _records(root, name, ".gen.jsonl")
+    together = _records(root, "greedy_colocated_dp2", ".gen.jsonl")
+    assert [r["response_ids"] for r in apart] == [r["response_ids"] for r in together]
+    a = [m["kd"] for m in _records(root, name) if "kd" in m]
+    b = [m["kd"] for m in _records(root, "greedy_colocated_dp2") if "kd" in m]
+    assert len(a) == 2 and a == pytest.approx(b, rel=RTOL)
+
+
+def _check_greedy_first_step(root: Path, s_tok: Path, t_tok: Path, name: str) -> None:
+    """The first step's greedy rollouts equal HF ``generate``, its KD the dense reference."""
     step1 = [r for r in _records(root, name, ".gen.jsonl") if r["iteration"] == 1]
     assert sorted(r["position"] for r in step1) == [0, 1, 2, 3]
     batch, builder, records = _batch(root, s_tok, t_tok, step1)
@@ -104,7 +129,7 @@ def test_greedy_rollouts_equal_hf_generate_and_the_kd_equals_the_dense_reference
                                eos_token_id=builder.tokenizers.student_tokenizer.eos_token_id,
                                pad_token_id=0, top_k=None, top_p=None, temperature=None)
         assert r["response_ids"] == out[0, len(prompt):].tolist(), r
-    [(got_kd, _)] = [(m["kd"], m["ce"]) for m in _records(root, name) if "kd" in m]
+    got_kd = next(m["kd"] for m in _records(root, name) if "kd" in m)
     with torch.no_grad():
         _, want_kd, _ = reference_step(root, batch, student, {"chunk_topk": 16, "jsd_beta": 0.5},
                                        ce_weight=0.0)

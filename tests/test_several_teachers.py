@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from scratch import scratch_dir
 from shared_assets import needs_shared_assets
 from test_e2e import _argv, _convert, _run_main, _tiny_hf
 from test_trainer_reference import (
@@ -38,11 +39,11 @@ CE_WEIGHT = 0.5
 
 
 @pytest.fixture(scope="module")
-def setup(e2e_setup, tmp_path_factory):
+def setup(e2e_setup, request, tmp_path_factory):
     """(root of test_e2e's setup, student tokenizer, teacher tokenizer, the peer teacher's
     directory): the peer is a tiny Llama with the student's vocabulary and its own weights."""
     root, s_tok, t_tok = e2e_setup
-    peer_root = tmp_path_factory.mktemp("peer")
+    peer_root = scratch_dir(request, tmp_path_factory, "peer")
     peer_hf = _tiny_hf(peer_root / "peer_hf", "llama", 49152, 7, init_std=0.3)
     with RankPool(1) as pool:
         pool.run(_convert, str(peer_hf), str(peer_root / "peer"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from scratch import scratch_dir
 from test_e2e import STEPS, _argv, _losses, _run_main, assert_losses_match
 
 from megatron_xdistill.testing.multirank import RankError
@@ -37,10 +38,10 @@ def _same(got, want, name, rel=EXACT):
 
 
 @pytest.fixture(scope="module")
-def online_cache(e2e_setup, e2e_reference, e2e_pool, tmp_path_factory):
+def online_cache(e2e_setup, e2e_reference, e2e_pool, request, tmp_path_factory):
     """An online run (student TP2) that fills the cache as it trains: (cache, its losses)."""
     root, s_tok, t_tok = e2e_setup
-    cache = tmp_path_factory.mktemp("teacher_cache") / "online"
+    cache = scratch_dir(request, tmp_path_factory, "teacher_cache") / "online"
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "cache_online_tp2",
                                   STUDENT_TP2 + ["--teacher-cache", str(cache)]))
     losses = _losses(root, "cache_online_tp2")

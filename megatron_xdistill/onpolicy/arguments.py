@@ -75,8 +75,6 @@ def check_onpolicy_args(args: argparse.Namespace, check) -> None:
         (".jsonl", ".json", ".ndjson", ".parquet")),
           "--on-policy reads prompts from one .jsonl or .parquet file in --data-path")
     check(args.split is None, "--on-policy: --split does not apply (prompts are not split)")
-    check(args.teacher_placement != "disaggregated",
-          "--on-policy runs with colocated teachers (disaggregated on-policy is not built yet)")
     check(args.teacher_cache is None and not args.teacher_cache_only
           and all(spec.cache is None for spec in args.teachers),
           "--on-policy: a teacher payload cache cannot serve responses that change every run")

@@ -361,12 +361,16 @@ def _rollout_steps(args, tokenizers, distiller, iteration: int):
          f"{args.sampling_temperature}, top-p {args.sampling_top_p}, top-k {args.sampling_top_k}")
     builder = SampleBuilder(tokenizers, records, args.seq_length, _teacher_lengths(args),
                             chat_template=not args.no_chat_template)
+    # A disaggregated teacher rank generates nothing: it receives the replicas' rollouts in the
+    # step's exchange and builds the samples of the positions its teacher serves.
+    s_dp = distiller.student_groups.coords["dp"] if distiller.has_student else None
     served = [(lane.groups.coords["dp"] if lane.side.runs else None, lane.layout)
               for lane in distiller.lanes]
     positions = StepSampler(args.global_batch_size, iteration, args.global_batch_size,
-                            args.micro_batch_size, distiller.student_groups.coords["dp"],
-                            distiller.student_layout, more_teachers=served).local
-    return RolloutSteps(args, records, builder, distiller.student, positions, iteration, _log)
+                            args.micro_batch_size, s_dp, distiller.student_layout,
+                            more_teachers=served).local
+    student = distiller.student if distiller.has_student else None
+    return RolloutSteps(args, records, builder, student, positions, iteration, _log)
 
 
 def _training_batches(args, tokenizers, distiller, caches, train_numbering, loaded,
