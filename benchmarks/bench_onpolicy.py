@@ -6,6 +6,8 @@ model in its training layout (KV-cached, ``megatron_xdistill.generation``); Qwen
 Rows vary the response length; the generation batch is each replica's share of the global batch.
 
   python benchmarks/bench_onpolicy.py [--train-iters 4] [--nproc 2] [--new-tokens 16 64]
+  python benchmarks/bench_onpolicy.py --device cuda --nproc 1 --bf16 --random-weights \
+      --global-batch-size 16 --new-tokens 64 256        # one GPU, no model download
 
 Each row is the mean of steps 2..N (the first is warm-up). ``tokens/s`` is one replica's newly
 generated tokens per second of generation (every rank of a replica decodes together).
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -44,12 +47,14 @@ def _measure(args, models, prompts: Path, new_tokens: int, work: Path) -> dict:
         "on-policy": True, "data-path": prompts, "seq-length": 64 + new_tokens,
         "teacher-seq-length": 96 + new_tokens, "max-new-tokens": new_tokens,
         "teacher-tensor-model-parallel-size": 2 if args.nproc % 2 == 0 else 1,
-        "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
+        "micro-batch-size": 1, "global-batch-size": args.global_batch_size, "bf16": args.bf16,
         "train-iters": args.train_iters, "lr": "1e-5", "kd-topk": 64, "gkd-beta": 1.0,
         "ce-weight": 0.0, "sampling-temperature": 1.0, "log-interval": 1,
         "metrics-file": metrics})
-    run_command(cmd, env=dict(cpu_env(1), CUDA_VISIBLE_DEVICES=""),
-                stdout_path=work / f"log-{new_tokens}.txt")
+    env = cpu_env(1)
+    if args.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    run_command(cmd, env=env, stdout_path=work / f"log-{new_tokens}.txt")
     steps = [r for r in read_metrics(metrics) if "kd" in r][1:]
 
     def mean(key: str) -> float:
@@ -68,12 +73,31 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: one rank per GPU (--nproc at most the GPUs), NCCL")
+    parser.add_argument("--bf16", action="store_true", help="train in bf16 (Megatron's --bf16)")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="prompts per step (default 2 x --nproc)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the models' published architectures with random weights (no "
+                             "download; responses run to --new-tokens, so tokens/s still holds)")
+    parser.add_argument("--tokenizers", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "shared" / "assets"
+                        / "tokenizers", help="with --random-weights: the shared tokenizers")
     args = parser.parse_args()
+    args.global_batch_size = args.global_batch_size or 2 * args.nproc
+    if args.train_iters < 2:
+        parser.error("--train-iters must be >= 2 (the first step is left out)")
 
     from megatron_xdistill.demo.workflow import prepare_models
 
-    models = prepare_models("qwen2.5-coder-0.5b", "smollm2-135m", log=print)
     work = Path(tempfile.mkdtemp(prefix="bench-onpolicy-"))
+    if args.random_weights:
+        from bench_step_time import write_random_demo_models
+
+        write_random_demo_models(work / "assets", args.tokenizers)
+        os.environ["XDISTILL_ASSETS"] = str(work / "assets")
+    models = prepare_models("qwen2.5-coder-0.5b", "smollm2-135m", log=print)
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     try:

@@ -61,22 +61,22 @@ def _records(root, name: str) -> list[dict]:
     return [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
 
 
-def test_resume_and_evaluation_run_on_student_ranks(e2e_setup, e2e_pool):
+def test_resume_and_evaluation_run_on_student_ranks(e2e_setup, e2e_pool, tmp_path):
     root, s_tok, t_tok = e2e_setup
     extra = DISAGGREGATED + LAYOUTS["disagg_student_tp2_teacher_tp2"] + [
         "--save-interval", "1", "--valid-data-path", str(root / "train.jsonl"),
         "--eval-interval", "2", "--eval-iters", "1"]
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dfull", extra + ["--save", str(root / "dfull")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dfull", extra + ["--save", str(tmp_path / "dfull")]))
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart",
-                              extra + ["--save", str(root / "dpart"), "--exit-interval", "1"]))
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart", extra + ["--save", str(root / "dpart")]))
+                              extra + ["--save", str(tmp_path / "dpart"), "--exit-interval", "1"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "dpart", extra + ["--save", str(tmp_path / "dpart")]))
     assert _losses(root, "dpart") == _losses(root, "dfull")
     evals = {name: [(r["iteration"], r["eval_ce"]) for r in _records(root, name) if "eval_ce" in r]
              for name in ("dfull", "dpart")}
     assert [it for it, _ in evals["dfull"]] == [0, 2, 3]
     assert evals["dpart"][-2:] == evals["dfull"][-2:]  # after the resume: identical evaluations
     # Teacher ranks (2, 3) hold no checkpointed state and write nothing.
-    saved = sorted(p.name for p in (root / "dfull" / "iter_0000003").glob("rng_rank*"))
+    saved = sorted(p.name for p in (tmp_path / "dfull" / "iter_0000003").glob("rng_rank*"))
     assert saved == ["rng_rank00000.pt", "rng_rank00001.pt"]
 
 

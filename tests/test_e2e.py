@@ -189,24 +189,24 @@ def test_gemma3_teacher_in_parallel_layouts_matches_single_rank(e2e_setup, e2e_p
     assert_losses_match(_losses(tmp_path, "gemma_layout"), reference, "gemma3 teacher")
 
 
-def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
+def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool, tmp_path):
     root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2", "--save-interval", "1"]
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(root / "full")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(tmp_path / "full")]))
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
-                              extra + ["--save", str(root / "part"), "--exit-interval", "1"]))
-    shutil.copytree(root / "part", root / "fresh_optimizer")
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(root / "part")]))
+                              extra + ["--save", str(tmp_path / "part"), "--exit-interval", "1"]))
+    shutil.copytree(tmp_path / "part", tmp_path / "fresh_optimizer")
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(tmp_path / "part")]))
     assert _losses(root, "part") == _losses(root, "full")
     # --no-load-optim / --no-load-rng (Megatron-LM's): the weights and the data position resume
     # (step 2's loss, taken before its update, is the uninterrupted run's), Adam and the LR
     # schedule start afresh (step 3 differs).
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "fresh_optimizer",
-                                  extra + ["--save", str(root / "fresh_optimizer"),
+                                  extra + ["--save", str(tmp_path / "fresh_optimizer"),
                                            "--no-load-optim", "--no-load-rng"]))
     fresh, full = _losses(root, "fresh_optimizer"), _losses(root, "full")
     assert len(fresh) == 2 and fresh[0] == full[1] and fresh[1] != full[2]
-    assert (root / "full" / "hf_files" / "config.json").is_file()  # export needs no template
+    assert (tmp_path / "full" / "hf_files" / "config.json").is_file()  # export needs no template
     # What Megatron-LM's loader reads from the common state: args that describe the student,
     # the format version, the iteration and the LR schedule under its own key.
     from megatron.core import dist_checkpointing
@@ -214,7 +214,7 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
     from megatron_xdistill.models import load_model_info
     from megatron_xdistill.models.megatron_lm import model_info_from_megatron_args
 
-    common = dist_checkpointing.load_common_state_dict(str(root / "full" / "iter_0000003"))
+    common = dist_checkpointing.load_common_state_dict(str(tmp_path / "full" / "iter_0000003"))
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 3
     assert "opt_param_scheduler" in common
     assert common["args"].tensor_model_parallel_size == 2
@@ -227,11 +227,11 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool):
 
 
 def test_resume_into_another_layout_with_the_distributed_optimizer(e2e_setup, e2e_reference,
-                                                                   e2e_pool):
+                                                                   e2e_pool, tmp_path):
     """A run saved at TP1 PP1 DP4 (distributed optimizer: Adam's state sharded over DP) resumes
     at TP2 PP2 DP1 and continues with the uninterrupted single-rank run's losses."""
     root, s_tok, t_tok = e2e_setup
-    save = ["--save", str(root / "relayout"), "--save-interval", "1", "--use-distributed-optimizer"]
+    save = ["--save", str(tmp_path / "relayout"), "--save-interval", "1", "--use-distributed-optimizer"]
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "relayout", save + ["--exit-interval", "1"]))
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "relayout",
                                   save + ["--tensor-model-parallel-size", "2",
@@ -297,7 +297,7 @@ def test_teacher_length_is_derived_from_the_data(e2e_setup, e2e_pool):
 
 @pytest.mark.slow  # 37 s; in make test-slow for the suite's 30-minute budget
 def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_reference,
-                                                                  e2e_pool):
+                                                                  e2e_pool, tmp_path):
     """With --overlap-param-gather the parameters of step k+1 arrive during its forward. A run
     that evaluates after every step, stops at step 1 and resumes gives the single-rank
     reference's losses and evaluations. (Evaluation and saves gather the parameters whole first,
@@ -307,7 +307,7 @@ def test_overlapped_parameter_gather_evaluates_saves_and_resumes(e2e_setup, e2e_
     root, s_tok, t_tok = e2e_setup
     common = ["--use-distributed-optimizer", "--valid-data-path", str(root / "train.jsonl"),
               *EVAL_EVERY_STEP, "--overlap-grad-reduce", "--overlap-param-gather",
-              "--ddp-bucket-size", "200000", "--save", str(root / "overlap_run"),
+              "--ddp-bucket-size", "200000", "--save", str(tmp_path / "overlap_run"),
               "--save-interval", "1"]
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "overlap_run",
                                   common + ["--exit-interval", "1"]))

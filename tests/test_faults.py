@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -122,6 +123,7 @@ def uninterrupted(e2e_setup):
     _run(_command(root, s_tok, t_tok, "fault_reference", 2, []))
     losses = _losses_by_step(root, "fault_reference")
     assert sorted(losses) == list(range(1, STEPS + 1))
+    shutil.rmtree(root / "fault_reference")  # its checkpoints: only the losses are compared
     return losses
 
 
@@ -158,6 +160,7 @@ def test_a_killed_rank_ends_the_job_and_the_rerun_resumes_exactly(e2e_setup, uni
         assert got[step][0] == pytest.approx(kd, rel=1e-5), f"{name} step {step} kd"
         assert got[step][1] == pytest.approx(ce, rel=1e-5), f"{name} step {step} ce"
     assert not list((root / name).glob("iter_*.tmp")), "a leftover partial save"
+    shutil.rmtree(root / name)  # the checkpoints of the session-wide setup's folder
 
 
 def _latest(save: Path) -> int:
@@ -213,3 +216,4 @@ def test_preemption_saves_and_exits_then_the_rerun_resumes_exactly(e2e_setup, un
     for step, (kd, ce) in uninterrupted.items():
         assert got[step][0] == pytest.approx(kd, rel=1e-5), f"step {step} kd"
         assert got[step][1] == pytest.approx(ce, rel=1e-5), f"step {step} ce"
+    shutil.rmtree(save)
