@@ -1,8 +1,43 @@
-"""The on-policy flags of ``pretrain_xdistill.py`` and their checks (kept beside the stage)."""
+"""The on-policy flags of ``pretrain_xdistill.py``, their checks, and the typed configuration
+the stage reads (:class:`RolloutConfig`: the one place that reads those flags)."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the generation stage imports Megatron's inference code: not for --help
+    from megatron_xdistill.generation import SamplingParams
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What the per-step rollout needs from a run's arguments (checked ones)."""
+
+    global_batch_size: int
+    seed: int
+    gkd_lambda: float  # share of on-policy steps
+    sampling: SamplingParams
+    max_prompt_length: int  # student tokens; longer prompts keep their last ones
+    reward_fn: str | None
+    reward_timeout: float
+    reward_beta: float
+    generations_file: str | None  # rank 0 writes every rollout there
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RolloutConfig:
+        from megatron_xdistill.generation import SamplingParams
+
+        return cls(
+            global_batch_size=args.global_batch_size, seed=args.seed,
+            gkd_lambda=args.gkd_lambda,
+            sampling=SamplingParams(max_new_tokens=args.max_new_tokens,
+                                    temperature=args.sampling_temperature,
+                                    top_p=args.sampling_top_p, top_k=args.sampling_top_k),
+            max_prompt_length=args.max_prompt_length, reward_fn=args.reward_fn,
+            reward_timeout=args.reward_timeout, reward_beta=args.reward_beta,
+            generations_file=args.generations_file)
 
 
 def add_onpolicy_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_xdistill.generation import SamplingParams, generate
+from megatron_xdistill.generation import generate
+from megatron_xdistill.onpolicy.arguments import RolloutConfig
 from megatron_xdistill.onpolicy.prompts import PromptRecord, response_ids
 from megatron_xdistill.onpolicy.rewards import call_reward, load_reward_fn, reward_weights
 from megatron_xdistill.onpolicy.samples import Rollout, SampleBuilder
@@ -48,24 +49,22 @@ class RolloutSteps:
     :class:`~megatron_xdistill.data.loader.StepBatches`), rolling out on-policy steps with the
     student. ``positions``: the global-batch positions this rank needs."""
 
-    def __init__(self, args, records: Sequence[PromptRecord], builder: SampleBuilder, student,
-                 positions: Sequence[int], start_step: int, log=print) -> None:
-        self.args, self.records, self.builder, self.student = args, records, builder, student
+    def __init__(self, config: RolloutConfig, records: Sequence[PromptRecord],
+                 builder: SampleBuilder, student, positions: Sequence[int], start_step: int,
+                 log=print) -> None:
+        self.config, self.records, self.builder, self.student = config, records, builder, student
         self.positions = list(positions)
         self.step = start_step
         self.log = log
-        self.params = SamplingParams(max_new_tokens=args.max_new_tokens,
-                                     temperature=args.sampling_temperature,
-                                     top_p=args.sampling_top_p, top_k=args.sampling_top_k)
         tokenizer = builder.tokenizers.student_tokenizer
         self.eos = int(tokenizer.eos_token_id)
         self._prompts: dict[int, tuple[int, ...]] = {}
         self._answers: dict[int, list[int]] = {}
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, its prompt permutation)
-        self.reward_fn = (load_reward_fn(args.reward_fn, args.reward_timeout)
-                          if args.reward_fn else None)
+        self.reward_fn = (load_reward_fn(config.reward_fn, config.reward_timeout)
+                          if config.reward_fn else None)
         self.metrics: dict[str, float] = {}
-        self.file = args.generations_file if dist.get_rank() == 0 else None
+        self.file = config.generations_file if dist.get_rank() == 0 else None
         if self.file is not None:
             _keep_until(self.file, start_step)
 
@@ -73,21 +72,21 @@ class RolloutSteps:
     def prompt_of(self, step: int, position: int) -> int:
         """The prompt record at ``position`` of ``step``."""
         n = len(self.records)
-        flat = step * self.args.global_batch_size + position
+        flat = step * self.config.global_batch_size + position
         epoch = flat // n
         if self._order is None or self._order[0] != epoch:  # one permutation per epoch
-            self._order = (epoch, np.random.default_rng(_seed(self.args.seed, epoch, 17))
+            self._order = (epoch, np.random.default_rng(_seed(self.config.seed, epoch, 17))
                            .permutation(n))
         return int(self._order[1][flat % n])
 
     def on_policy(self, step: int) -> bool:
-        return is_on_policy_step(self.args.seed, self.args.gkd_lambda, step)
+        return is_on_policy_step(self.config.seed, self.config.gkd_lambda, step)
 
     def student_prompt(self, index: int) -> tuple[int, ...]:
         """The student's prompt ids of a record, keeping the last --max-prompt-length."""
         if index not in self._prompts:
             ids = self.builder.student_prompt(self.records[index])
-            limit = self.args.max_prompt_length
+            limit = self.config.max_prompt_length
             if len(ids) > limit:
                 self.log(f"> prompt {self.records[index].where}: {len(ids)} tokens, keeping "
                          f"the last {limit} (--max-prompt-length)")
@@ -102,8 +101,9 @@ class RolloutSteps:
             tokenizer = self.builder.tokenizers.student_tokenizer
             self._answers[index] = response_ids(tokenizer, self.records[index].answer, self.eos)
         ids = self._answers[index]
-        finished = len(ids) <= self.args.max_new_tokens
-        return Rollout(index, self.student_prompt(index), tuple(ids[: self.args.max_new_tokens]),
+        cap = self.config.sampling.max_new_tokens
+        finished = len(ids) <= cap
+        return Rollout(index, self.student_prompt(index), tuple(ids[:cap]),
                        finished, on_policy=False)
 
     # ------------------------------------------------------------------ one step
@@ -114,9 +114,10 @@ class RolloutSteps:
         indices = [self.prompt_of(step, g) for g in mine]
         prompts = [list(self.student_prompt(i)) for i in indices]
         generator = torch.Generator(device=side.device).manual_seed(
-            _seed(self.args.seed, step, side.groups.coords["dp"], 41))
-        out = generate(side.model, side.groups, prompts, self.params, eos_token_ids=[self.eos],
-                       vocab_size=side.info.vocab_size, device=side.device, generator=generator)
+            _seed(self.config.seed, step, side.groups.coords["dp"], 41))
+        out = generate(side.model, side.groups, prompts, self.config.sampling,
+                       eos_token_ids=[self.eos], vocab_size=side.info.vocab_size,
+                       device=side.device, generator=generator)
         rollouts = {g: Rollout(i, tuple(p), tuple(out.response(k)), bool(out.finished[k]))
                     for k, (g, i, p) in enumerate(zip(mine, indices, prompts))}
         if self.reward_fn is not None and self._shares():  # scored once per replica
@@ -143,7 +144,7 @@ class RolloutSteps:
     def __next__(self) -> dict[int, dict]:
         step = self.step
         self.step += 1
-        gbs = self.args.global_batch_size
+        gbs = self.config.global_batch_size
         t0 = time.perf_counter()
         if self.on_policy(step):
             mine = self._generate(step) if self.student is not None else {}
@@ -166,8 +167,8 @@ class RolloutSteps:
         rewards = [rollouts[g].reward for g in range(gbs)]
         if all(r is not None for r in rewards):
             self.metrics.update(reward=float(np.mean(rewards)))
-            if self.args.reward_beta:
-                w = reward_weights(rewards, self.args.reward_beta)
+            if self.config.reward_beta:
+                w = reward_weights(rewards, self.config.reward_beta)
                 weights = dict(enumerate(w.tolist()))
                 self.metrics.update(reward_weight_max=float(w.max()))
         if self.file is not None:

@@ -347,6 +347,7 @@ def _train(args, started: float) -> int:
 def _rollout_steps(args, tokenizers, distiller, iteration: int):
     """On-policy runs: the prompts, and each step's samples rolled out by the student."""
     from megatron_xdistill.data.loader import StepSampler
+    from megatron_xdistill.onpolicy.arguments import RolloutConfig
     from megatron_xdistill.onpolicy.prompts import PromptFields, check_answers, read_prompts
     from megatron_xdistill.onpolicy.rollout import RolloutSteps
     from megatron_xdistill.onpolicy.samples import SampleBuilder
@@ -370,7 +371,8 @@ def _rollout_steps(args, tokenizers, distiller, iteration: int):
                             args.micro_batch_size, s_dp, distiller.student_layout,
                             more_teachers=served).local
     student = distiller.student if distiller.has_student else None
-    return RolloutSteps(args, records, builder, student, positions, iteration, _log)
+    return RolloutSteps(RolloutConfig.from_args(args), records, builder, student, positions,
+                        iteration, _log)
 
 
 def _training_batches(args, tokenizers, distiller, caches, train_numbering, loaded,
