@@ -17,7 +17,6 @@ NeMo-RL; duplicates are summed and rows ordered by weight, like every W here (``
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,9 @@ def read_nemo_rl(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, str]:
     path = Path(path)
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as e:
+    except OSError:
+        raise
+    except Exception as e:  # corrupt bytes fail the unpickler in many ways (IndexError, ...)
         raise ValueError(
             f"{path}: cannot be unpickled with torch.load(weights_only=True); expected {_EXPECTED} "
             f"({e})"
