@@ -115,8 +115,9 @@ def report(cfg, scores: dict, runs: dict, out: Path) -> Path:
              f"{cfg.global_batch_size} prompts, up to {cfg.max_new_tokens} new tokens; "
              f"{cfg.data.heldout_prompts} held-out additions, greedy, reward {cfg.reward_fn}; "
              f"{time.strftime('%Y-%m-%d')}.", "",
-             "| model | pass rate | s / step | generating (share of the step) |",
-             "|---|---|---|---|"]
+             "| model | pass rate | responses ended (EOS within the cap) | s / step "
+             "| generating (share of the step) |",
+             "|---|---|---|---|---|"]
     for label, result in scores.items():
         metrics = [m for m in runs.get(label, []) if "kd" in m][1:]
         step = gen = "-"
@@ -125,7 +126,8 @@ def report(cfg, scores: dict, runs: dict, out: Path) -> Path:
             share = statistics.fmean(m.get("time_generate", 0.0) for m in metrics) / wall
             step, gen = f"{wall:.1f}", f"{100 * share:.0f}%"
         name = cfg.variants[label].label if label in cfg.variants else label
-        lines.append(f"| {name} | {result['mean_reward']:.3f} | {step} | {gen} |")
+        ended = statistics.fmean(float(r["finished"]) for r in result["responses"])
+        lines.append(f"| {name} | {result['mean_reward']:.3f} | {ended:.2f} | {step} | {gen} |")
     out.mkdir(parents=True, exist_ok=True)
     results = {"scores": {k: {key: v[key] for key in ("prompts", "mean_reward")}
                           for k, v in scores.items()}, "config": _plain(cfg)}
