@@ -196,9 +196,11 @@ class Distiller:
                         else "cross-tokenizer")
                 log(f"> teacher {view.teacher_name!r}: {_describe(teacher_layouts[k])}, {kind}, "
                     f"weight {specs[k].weight:g}")
-            kd = kd_adapter.KDObjective(view, student_info, infos[k], self.student_groups,
-                                        teacher_groups[k], log=log,
-                                        same_tokenizer=same_tokenizer[k], ships_text_nats=selects)
+            kd = kd_adapter.KDObjective(
+                specs[k], student_info, infos[k], self.student_groups, teacher_groups[k],
+                student_tokenizer=args.tokenizer_model, seq_length=args.seq_length,
+                ce_only=self.ce_only, log=log, same_tokenizer=same_tokenizer[k],
+                ships_text_nats=selects)
             routes = routing_plan(args.global_batch_size, args.micro_batch_size,
                                   self.student_layout, teacher_layouts[k],
                                   placement.student_offset, placement.teacher_offset_of(k))

@@ -22,7 +22,7 @@ from megatron_xdistill.loss import (
 )
 from megatron_xdistill.loss.collectives import all_reduce
 from megatron_xdistill.parallel.layout import ModelParallelGroups
-from megatron_xdistill.training.arguments import trains_ce_only
+from megatron_xdistill.teachers.spec import TeacherSpec
 
 
 def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
@@ -34,8 +34,9 @@ def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
 
 
-def load_or_build_projection(args, log=print, shared_vocab: int | None = None):
-    """The projection of ``--projection-path`` (hashes checked against both tokenizers), or one
+def load_or_build_projection(projection_path: str | None, student_tokenizer: str,
+                             teacher_tokenizer: str, log=print, shared_vocab: int | None = None):
+    """The projection at ``projection_path`` (hashes checked against both tokenizers), or one
     built now from the tokenizers when no path is given. ``shared_vocab``: the teacher uses the
     student's tokenizer; W is the identity over that many ids (no file, nothing to build)."""
     from megatron_xdistill.projection import (
@@ -47,50 +48,53 @@ def load_or_build_projection(args, log=print, shared_vocab: int | None = None):
 
     if shared_vocab is not None:
         return identity_projection(shared_vocab)
-    if args.projection_path:
-        return load_projection(args.projection_path, args.tokenizer_model,
-                               args.teacher_tokenizer_model)
+    if projection_path:
+        return load_projection(projection_path, student_tokenizer, teacher_tokenizer)
     log("> no --projection-path: building the projection from the tokenizers "
         "(save one with `xdistill-projection build` to skip this)")
-    return build_projection(args.tokenizer_model, args.teacher_tokenizer_model, BuildOptions())
+    return build_projection(student_tokenizer, teacher_tokenizer, BuildOptions())
 
 
 class KDObjective:
     """The loss configuration of a run, bound to the student's and the teacher's layouts."""
 
-    def __init__(self, args, student_info, teacher_info, student: ModelParallelGroups,
-                 teacher: ModelParallelGroups, log=print, same_tokenizer: bool = False,
-                 ships_text_nats: bool = False) -> None:
-        """``args``: the run's arguments as this teacher sees them (``TeacherSpec.view``).
-        ``same_tokenizer``: the teacher uses the student's tokenizer (chunks are single tokens,
-        W the identity). ``ships_text_nats``: each payload row also carries the teacher's CE on
-        the sample's text (for per-sample teacher selection)."""
-        self.args = args
+    def __init__(self, teacher_spec: TeacherSpec, student_info, teacher_info,
+                 student: ModelParallelGroups, teacher: ModelParallelGroups, *,
+                 student_tokenizer: str, seq_length: int, ce_only: bool, log=print,
+                 same_tokenizer: bool = False, ships_text_nats: bool = False) -> None:
+        """``teacher_spec``: this teacher's loss settings (form, top-k, temperature, divergence,
+        projection, tokenizer); ``seq_length``: the student's; ``ce_only``: the run trains on CE
+        alone (``trains_ce_only``). ``same_tokenizer``: the teacher uses the student's
+        tokenizer (chunks are single tokens, W the identity). ``ships_text_nats``: each payload
+        row also carries the teacher's CE on the sample's text (for per-sample selection)."""
+        self.teacher_spec = spec = teacher_spec
+        self.seq_length = seq_length
         self.student, self.teacher = student, teacher
         self.student_vocab = student_info.vocab_size
         self.teacher_vocab = teacher_info.vocab_size
         self.same_tokenizer = same_tokenizer
         self.ships_text_nats = ships_text_nats
         # CE alone (--kd-weight 0) never projects anything: W is neither loaded nor built.
-        self.ce_only = trains_ce_only(args)
+        self.ce_only = ce_only
         shared = min(self.student_vocab, self.teacher_vocab) if same_tokenizer else None
-        matrix = None if self.ce_only else load_or_build_projection(args, log, shared)
+        matrix = None if ce_only else load_or_build_projection(
+            spec.projection_path, student_tokenizer, spec.tokenizer_model, log, shared)
         if matrix is not None and (matrix.student_vocab_size > self.student_vocab
                                    or matrix.teacher_vocab_size > self.teacher_vocab):
             raise ValueError(
                 f"projection is {matrix.student_vocab_size} x {matrix.teacher_vocab_size} but the "
                 f"models' vocabularies are {self.student_vocab} (student) and {self.teacher_vocab} "
                 f"(teacher): was it built for other tokenizers?")
-        self.mode = args.kd_loss
-        self.form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
+        self.mode = spec.kd_loss
+        self.form = payload_form(spec.kd_loss, spec.kd_topk, spec.kd_topk_mode)
         common_student = common_teacher = None
         if self.form == "gold" and matrix is not None:
-            rule = "strict" if args.kd_loss == "gold" else "xtoken"
+            rule = "strict" if spec.kd_loss == "gold" else "xtoken"
             common_student, common_teacher = matrix.common_vocab(rule)
         self.common_student, self.common_teacher = common_student, common_teacher
-        self.num_chunks = args.seq_length + 1  # chunk slots: collate_samples' upper bound
+        self.num_chunks = seq_length + 1  # chunk slots: collate_samples' upper bound
         self.spec = None if self.ce_only else payload_spec(
-            self.form, self.num_chunks, self.teacher_vocab, topk=args.kd_topk or None,
+            self.form, self.num_chunks, self.teacher_vocab, topk=spec.kd_topk or None,
             num_common=None if common_teacher is None else len(common_teacher))
         self.shard = None  # the student side's projection rows (none on teacher-only ranks)
         if student.member and matrix is not None:
@@ -108,7 +112,7 @@ class KDObjective:
 
     @property
     def payload_bytes_per_token(self) -> float:
-        return 0.0 if self.spec is None else self.spec.bytes_per_token(self.args.seq_length)
+        return 0.0 if self.spec is None else self.spec.bytes_per_token(self.seq_length)
 
     # ---------------------------------------------------------------- teacher side
     def teacher_payload(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -119,7 +123,7 @@ class KDObjective:
         pred = groups.cp_local(pred)
         payload = teacher_payload(
             logits.float(), pred, self.spec, vocab_size=self.teacher_vocab,
-            temperature=self.args.kd_temperature, common_teacher_ids=self.common_teacher,
+            temperature=self.teacher_spec.kd_temperature, common_teacher_ids=self.common_teacher,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
         flat = payload.to_flat()
         if self.ships_text_nats:
@@ -178,8 +182,8 @@ class KDObjective:
         return parallel_kd_loss(
             logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,
             student_vocab_size=self.student_vocab, mode=self.mode,
-            temperature=self.args.kd_temperature, reverse=self.args.kd_reverse,
-            jsd_beta=self.args.gkd_beta,
+            temperature=self.teacher_spec.kd_temperature, reverse=self.teacher_spec.kd_reverse,
+            jsd_beta=self.teacher_spec.gkd_beta,
             common_student_ids=self.common_student,
             labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp,

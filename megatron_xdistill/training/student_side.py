@@ -153,7 +153,7 @@ class StudentSide:
             values += [float(sum(kd.count_chunks(teacher_view(m.batch, k), m.taught_by(k))
                                  for m in micro)),
                        float(sum(s["teachers"][k]["teacher_length"] for s in mine)),
-                       float(len(mine) * (kd.args.teacher_seq_length + 1)),
+                       float(len(mine) * (kd.teacher_spec.seq_length + 1)),
                        float(sum(len(m.batch["tokens"]) if m.choice is None
                                  else int((m.choice == k).sum()) for m in micro))]
         counts = torch.tensor(values, dtype=torch.float64, device=self.device)

@@ -44,7 +44,9 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
         rule = "strict" if args.kd_loss == "gold" else "xtoken"
         shared = (min(teacher_info.vocab_size, models_api.load_model_info(args.load).vocab_size)
                   if tokenizers.same_tokenizer[k] else None)
-        common = load_or_build_projection(args, log, shared).common_vocab(rule)[1]
+        common = load_or_build_projection(
+            args.projection_path, args.tokenizer_model, args.teacher_tokenizer_model, log,
+            shared).common_vocab(rule)[1]
     spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
                         topk=args.kd_topk or None,
                         num_common=None if common is None else len(common))
