@@ -32,10 +32,15 @@ def test_report_rows_follow_the_scores_and_the_steps(tmp_path):
     # the first step is warm-up and left out: 2 s per step, 0.5 s of it generating
     steps = [{"kd": 1.0, "elapsed_ms_per_iteration": 9000.0, "time_generate": 8.0}] + [
         {"kd": 1.0, "elapsed_ms_per_iteration": 2000.0, "time_generate": 0.5}] * 3
+    steps = [dict(m, iteration=i + 1, on_policy=1.0, reward=i / 4, finished_fraction=0.5)
+             for i, m in enumerate(steps)]
     path = example.report(cfg, scores, {"onpolicy": steps}, tmp_path / "out")
-    rows = [line for line in path.read_text().splitlines() if line.startswith("| ")][1:]
-    assert rows[0] == "| student before training | 0.250 | 0.00 | - | - |"
-    assert rows[1] == f"| {cfg.variants.onpolicy.label} | 0.750 | 0.75 | 2.0 | 25% |"
+    rows = [line for line in path.read_text().splitlines() if line.startswith("| ")]
+    label = cfg.variants.onpolicy.label
+    assert rows[1] == "| student before training | 0.250 | 0.00 | - | - |"
+    assert rows[2] == f"| {label} | 0.750 | 0.75 | 2.0 | 25% |"
+    # the training course, first and last steps (all 4 steps in one row: fewer than 10)
+    assert rows[4:] == [f"| {label} | 1-4 | 4 | 0.38 | 0.50 | 1.000 |"]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["scores"]["onpolicy"] == {"prompts": 4, "mean_reward": pytest.approx(0.75)}
     assert results["config"]["steps"] == cfg.steps

@@ -128,6 +128,7 @@ def report(cfg, scores: dict, runs: dict, out: Path) -> Path:
         name = cfg.variants[label].label if label in cfg.variants else label
         ended = statistics.fmean(float(r["finished"]) for r in result["responses"])
         lines.append(f"| {name} | {result['mean_reward']:.3f} | {ended:.2f} | {step} | {gen} |")
+    lines += _trajectory(cfg, runs)
     out.mkdir(parents=True, exist_ok=True)
     results = {"scores": {k: {key: v[key] for key in ("prompts", "mean_reward")}
                           for k, v in scores.items()}, "config": _plain(cfg)}
@@ -136,6 +137,30 @@ def report(cfg, scores: dict, runs: dict, out: Path) -> Path:
     path.write_text("\n".join(lines) + "\n")
     say(f"wrote {path}")
     return path
+
+
+def _trajectory(cfg, runs: dict, span: int = 10) -> list[str]:
+    """The training rollouts' course: the first and the last ``span`` steps of each variant
+    (KD; on its on-policy steps the sampled responses' reward and the share that ended)."""
+    lines = ["", f"Training steps (first and last {span}; reward and ended: the on-policy steps' "
+             "sampled responses, temperature 1, on training prompts):", "",
+             "| variant | steps | on-policy steps | sampled reward | responses ended | KD |",
+             "|---|---|---|---|---|---|"]
+    for label, metrics in runs.items():
+        steps = [m for m in metrics if "kd" in m]
+        for first in sorted({0, max(len(steps) - span, 0)}):
+            part = steps[first : first + span]
+            sampled = [m for m in part if m.get("on_policy")]
+            reward = ended = "-"
+            if sampled and all("reward" in m for m in sampled):
+                reward = f"{statistics.fmean(m['reward'] for m in sampled):.2f}"
+            if sampled:
+                ended = f"{statistics.fmean(m['finished_fraction'] for m in sampled):.2f}"
+            name = cfg.variants[label].label if label in cfg.variants else label
+            lines.append(f"| {name} | {part[0]['iteration']}-{part[-1]['iteration']} | "
+                         f"{len(sampled)} | {reward} | {ended} | "
+                         f"{statistics.fmean(m['kd'] for m in part):.3f} |")
+    return lines
 
 
 def _plain(cfg) -> dict:
