@@ -34,6 +34,12 @@ def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
 
 
+def common_vocab_rule(kd_loss: str) -> str:
+    """The projection's common-vocabulary rule of a gold-form loss: gold pairs ids whose texts
+    match exactly ("strict"), H-KL also the cross-token matches ("xtoken")."""
+    return "strict" if kd_loss == "gold" else "xtoken"
+
+
 def load_or_build_projection(projection_path: str | None, student_tokenizer: str,
                              teacher_tokenizer: str, log=print, shared_vocab: int | None = None):
     """The projection at ``projection_path`` (hashes checked against both tokenizers), or one
@@ -89,8 +95,7 @@ class KDObjective:
         self.form = payload_form(spec.kd_loss, spec.kd_topk, spec.kd_topk_mode)
         common_student = common_teacher = None
         if self.form == "gold" and matrix is not None:
-            rule = "strict" if spec.kd_loss == "gold" else "xtoken"
-            common_student, common_teacher = matrix.common_vocab(rule)
+            common_student, common_teacher = matrix.common_vocab(common_vocab_rule(spec.kd_loss))
         self.common_student, self.common_teacher = common_student, common_teacher
         self.num_chunks = seq_length + 1  # chunk slots: collate_samples' upper bound
         self.spec = None if self.ce_only else payload_spec(

@@ -22,7 +22,11 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     from megatron_xdistill.projection.vocab import vocab_hash
     from megatron_xdistill.teacher_cache import TeacherCache, checkpoint_fingerprint
     from megatron_xdistill.teacher_cache.key import run_key
-    from megatron_xdistill.training.kd_adapter import load_or_build_projection, payload_form
+    from megatron_xdistill.training.kd_adapter import (
+        common_vocab_rule,
+        load_or_build_projection,
+        payload_form,
+    )
 
     cache = TeacherCache(args.teacher_cache, teacher=k)
     reading = cache.reading
@@ -41,12 +45,11 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
     common = None
     if form == "gold":
-        rule = "strict" if args.kd_loss == "gold" else "xtoken"
         shared = (min(teacher_info.vocab_size, models_api.load_model_info(args.load).vocab_size)
                   if tokenizers.same_tokenizer[k] else None)
         common = load_or_build_projection(
             args.projection_path, args.tokenizer_model, args.teacher_tokenizer_model, log,
-            shared).common_vocab(rule)[1]
+            shared).common_vocab(common_vocab_rule(args.kd_loss))[1]
     spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
                         topk=args.kd_topk or None,
                         num_common=None if common is None else len(common))
