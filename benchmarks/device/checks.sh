@@ -22,10 +22,10 @@ part() {  # part NAME SECONDS COMMAND...: one check, its own log and limit
   echo "   exit $? after $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"
 }
 part gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
-part bench_loss 90 python3 benchmarks/bench_loss.py --device cuda --tokens 8192 \
+part bench_loss 90 python3 benchmarks/bench_loss.py --device cuda --tokens 16384 \
   --forms topk chunk_topk gold full --repeat 5
-part bench_step 120 python3 benchmarks/bench_step_time.py --device cuda --nproc 1 --bf16 \
+part bench_step 150 python3 benchmarks/bench_step_time.py --device cuda --nproc 1 --bf16 \
   --random-weights --tokenizers "$TOK" --seq-length 2048 --micro-batch-size 2 \
-  --global-batch-size 8 --kd-topk 64
+  --global-batch-size 8 --kd-topk 64 0
 part bench_onpolicy 120 python3 benchmarks/bench_onpolicy.py --device cuda --nproc 1 --bf16 \
   --random-weights --tokenizers "$TOK" --global-batch-size 16 --new-tokens 64 256
