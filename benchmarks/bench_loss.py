@@ -130,6 +130,12 @@ per-call setup of the chunk rows and W's entries. The extra memory is those entr
 bytes each), which the bf16 share doubles. Not fused: the exact form (``full``) and gold / H-KL,
 still blockwise at 35x and 39x CE on the H200 at 047d041 (``full`` 416 ms, gold 456 ms at 49k:
 many small blocks, torch.topk's radix passes for gold; GPU busy 290 ms / 157 ms).
+
+Again on one H200 at 7801264 (2026-11-26, ``benchmarks/device/checks.sh``; fp32, 16k tokens,
+V_s 49,152, k = 256, no CE fused; ms per forward + backward): megatron CE 12, topk 11 (0.96x),
+chunk_topk 10 (0.86x), gold 572 (48x), full 487 (41x). The fused column forms hold at or below
+CE; the exact and gold forms stay blockwise (at most 1/128 of the positions per block, for the
+memory target) and launch-bound.
 """
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# The device session's checks in one call (issue 18 / 21 GPU work), on one H100/H200:
-#   run(command="bash benchmarks/device/checks.sh", carry=[".whl", ".devassets"], timeout_s=540)
-# after benchmarks/device/prepare_carry.sh here. Each part writes its log under $OUT and is cut
-# off by its own time limit, so a slow part cannot take the others' time. Parts: the gpu-marked
-# tests (CUDA IPC stream, KV-cached greedy generation vs HF), the loss benchmark on the GPU, the
-# step-time benchmark (colocated), on-policy generation speed.
+# The device session's checks (issue 18 / 21 GPU work), on one H100/H200, after
+# benchmarks/device/prepare_carry.sh here:
+#   run(command="bash benchmarks/device/checks.sh PART...", carry=[".whl", ".devassets"],
+#       timeout_s=<sum of the parts' limits + 30>)
+# Parts (each writes $OUT/PART.log and is cut off by its own limit, so a slow part cannot take
+# the others' time):
+#   gpu_tests       330 s  the gpu-marked tests (CUDA IPC stream, GPU loss vs reference, training
+#                          on the GPU vs the CPU run, KV-cached greedy generation vs HF)
+#   bench_loss      150 s  the loss forms vs Megatron's CE at 16k tokens, V_s 49,152 and 128,256
+#   bench_loss_blocks 120 s  the exact and gold forms at three block sizes (time vs block count)
+#   bench_step      200 s  step time, colocated, bf16, random weights, chunk top-64
+#   bench_onpolicy  200 s  on-policy generation speed and its share of a step
+# Measured on an H200 (2026-11-26): a part's start (imports, random-weight models, packing)
+# takes 60-90 s, so 15 device minutes hold about two calls: `gpu_tests bench_loss` (~480 s)
+# then `bench_loss_blocks bench_step` (~320 s); bench_onpolicy in a later session.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device-out}; mkdir -p "$OUT"
@@ -12,20 +21,35 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDISTILL_SHARED_ASSETS=$PWD/.devassets
 TOK=$PWD/.devassets/tokenizers
-nvidia-smi -L | tee "$OUT/device.txt"
+nvidia-smi -L | tee -a "$OUT/device.txt"
 git rev-parse HEAD >> "$OUT/device.txt" 2>/dev/null
 part() {  # part NAME SECONDS COMMAND...: one check, its own log and limit
   local name=$1 limit=$2; shift 2
   echo "== $name (limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "   exit $? after $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"
+  echo "   exit $? after $((SECONDS - t0)) s"; grep -v -i "warn" "$OUT/$name.log" | tail -n 25
 }
-part gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py
-part bench_loss 90 python3 benchmarks/bench_loss.py --device cuda --tokens 16384 \
-  --forms topk chunk_topk gold full --repeat 5
-part bench_step 150 python3 benchmarks/bench_step_time.py --device cuda --nproc 1 --bf16 \
-  --random-weights --tokenizers "$TOK" --seq-length 2048 --micro-batch-size 2 \
-  --global-batch-size 8 --kd-topk 64 0
-part bench_onpolicy 120 python3 benchmarks/bench_onpolicy.py --device cuda --nproc 1 --bf16 \
-  --random-weights --tokenizers "$TOK" --global-batch-size 16 --new-tokens 64 256
+blocks() {  # the exact and gold forms at 64, 512 and 4096 MiB blocks
+  for mib in 64 512 4096; do
+    python3 benchmarks/bench_loss.py --device cuda --tokens 16384 --vs 49152 \
+      --forms gold full --repeat 3 --block-mib "$mib" || return
+  done
+}
+[ $# -gt 0 ] || set -- gpu_tests bench_loss
+for name in "$@"; do
+  case $name in
+    gpu_tests) part gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
+                 --durations=0 tests/test_gpu.py tests/test_loss_fused.py ;;
+    bench_loss) part bench_loss 150 python3 benchmarks/bench_loss.py --device cuda \
+                  --tokens 16384 --forms topk chunk_topk gold full --repeat 5 ;;
+    bench_loss_blocks) part bench_loss_blocks 120 blocks ;;
+    bench_step) part bench_step 200 python3 benchmarks/bench_step_time.py --device cuda \
+                  --nproc 1 --bf16 --random-weights --tokenizers "$TOK" --seq-length 2048 \
+                  --micro-batch-size 2 --global-batch-size 8 --kd-topk 64 ;;
+    bench_onpolicy) part bench_onpolicy 200 python3 benchmarks/bench_onpolicy.py --device cuda \
+                      --nproc 1 --bf16 --random-weights --tokenizers "$TOK" \
+                      --global-batch-size 16 --new-tokens 64 ;;
+    *) echo "unknown part $name"; exit 2 ;;
+  esac
+done
