@@ -256,7 +256,8 @@ else:
         terms = parallel_kd_loss(leaf, payload, ids, has, has, shard, student_vocab_size=vs,
                                  mode=mode, common_student_ids=common,
                                  labels=labels if cfg["with_ce"] else None,
-                                 block_bytes=cfg["block_mib"] << 20)
+                                 block_bytes=None if cfg["block_mib"] is None
+                                 else cfg["block_mib"] << 20)
         (terms.kd_sum / terms.kd_count + terms.ce_sum).backward()
         t1, c1 = clock()
         timings.append((t1 - t0, c1 - c0))
@@ -299,7 +300,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="cpu or cuda[:i]; on a GPU the ratio uses wall time and memory is "
                              "torch's allocated bytes")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--block-mib", type=int, default=64)
+    parser.add_argument("--block-mib", type=int, default=None,
+                        help="one block's fp32 [block, V] buffer (default: the loss's own choice, "
+                             "64 MiB and a share of the positions)")
     parser.add_argument("--with-ce", action="store_true", help="KD rows also fuse the CE")
     args = parser.parse_args(argv)
     port = 29000 + os.getpid() % 1000
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     head = (f"{'tokens':>6} {'V_s':>7} {'method':<16} {'wall s':>7} {'cpu s':>7} {'x CE':>5} "
             f"{'extra GiB':>9} {'net of grad':>11} {'% logits':>8}")
     print(f"V_t={args.vt} topk={args.topk} dtype={args.dtype} threads={args.threads} "
-          f"block={args.block_mib} MiB{' +CE' if args.with_ce else ''}")
+          f"block={'default' if args.block_mib is None else f'{args.block_mib} MiB'}{' +CE' if args.with_ce else ''}")
     print(head)
     for tokens in args.tokens:
         for vs in args.vs:

@@ -307,3 +307,36 @@ def test_the_packing_cache_is_never_the_current_directory(base, tmp_path, monkey
                                                       "data")
     saved = parse_args([*base, "--save", str(tmp_path / "run")], 4)
     assert saved.data_cache_path == str(tmp_path / "run" / "data_cache")
+
+
+def test_side_configs_carry_the_flags_in_megatron_types(base, tmp_path):
+    """The student's and each teacher's typed configuration take their flags once, into
+    Megatron-Core's DistributedDataParallelConfig / OptimizerConfig where those exist."""
+    from megatron_xdistill.training.side_config import StudentSideConfig, TeacherSideConfig
+
+    config = tmp_path / "teachers.yaml"
+    config.write_text(f"teachers:\n- name: a\n  seq_length: 96\n- name: b\n"
+                      f"  load: {tmp_path / 'student'}\n  seq_length: 80\n")
+    args = parse_args(base + [
+        "--adam-beta2", "0.95", "--bf16", "--clip-grad", "0.5",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", "1234",
+        "--ce-weight", "0.25", "--no-load-optim", "--min-lr", "1e-5",
+        "--teachers-config", str(config), "--recompute-granularity", "selective"], 4)
+    student = StudentSideConfig.from_args(args)
+    assert (student.optimizer.optimizer, student.optimizer.adam_beta2) == ("adam", 0.95)
+    assert student.optimizer.bf16 and student.optimizer.params_dtype == torch.bfloat16
+    assert student.optimizer.use_distributed_optimizer and student.optimizer.clip_grad == 0.5
+    assert (student.optimizer.lr, student.optimizer.min_lr) == (1e-4, 1e-5)
+    assert student.ddp.use_distributed_optimizer and student.ddp.overlap_grad_reduce
+    assert not student.ddp.overlap_param_gather and student.ddp.bucket_size == 1234
+    assert student.ddp.grad_reduce_in_fp32
+    assert (student.ce_weight, student.load_optim, student.load_rng) == (0.25, False, True)
+    assert student.model_options["recompute_granularity"] == "selective"
+    assert (student.schedule.max_lr, student.schedule.min_lr) == (1e-4, 1e-5)
+    assert (student.schedule.decay_steps, student.schedule.train_iters) == (3, 3)
+    assert (student.global_batch_size, student.micro_batch_size, student.seq_length) == (8, 1, 64)
+    teachers = [TeacherSideConfig.from_args(spec.view(args)) for spec in args.teachers]
+    assert [t.seq_length for t in teachers] == [96, 80]
+    assert teachers[1].load == str(tmp_path / "student")
+    assert teachers[0].load == str(tmp_path / "teacher")  # the --teacher-load default
+    assert all(t.micro_batch_size == 1 and t.global_batch_size == 8 for t in teachers)

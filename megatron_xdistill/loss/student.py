@@ -486,7 +486,7 @@ def parallel_kd_loss(
     labels: torch.Tensor | None = None,
     tp_group: Group = None,
     cp_group: Group = None,
-    block_bytes: int = BLOCK_BYTES,
+    block_bytes: int | None = None,
     sample_weights: torch.Tensor | None = None,
 ) -> KDTerms:
     """Local KD (and optionally CE) sums of one microbatch; see the package docstring.
@@ -500,6 +500,8 @@ def parallel_kd_loss(
     :class:`ProjectionShard`). Gold / H-KL take ``common_student_ids`` (the student side of
     ``ProjectionMatrix.common_vocab("strict" | "xtoken")``, in pair order). ``labels`` [B, T_local]
     (next-token ids, < 0 = none) adds the fused CE. With ``payload=None`` only CE is computed.
+    ``block_bytes``: the size of one block's fp32 [block, V_local] buffer (None: 64 MiB and
+    at most 1/32 of the positions, a quarter of that for the exact and gold forms).
     ``reverse``: KL(student || teacher); ``jsd_beta``: GKD's generalized JSD (0 forward KL,
     1 reverse KL; :func:`~megatron_xdistill.loss.formulas.divergence`). ``sample_weights``
     [B]: each sample's chunks count that many times in the KD sum (reward weighting; the chunk
@@ -526,8 +528,11 @@ def parallel_kd_loss(
     fused = (kernel_class in (NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
              and student_logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
     shrink = 4 if kernel_class.per_block else 1
-    max_block = max(1, min(block_bytes // (4 * max(v_local, 1) * shrink),
-                           -(-b * t // (32 * shrink))))
+    if block_bytes is None:  # the default: BLOCK_BYTES, and the share of the positions
+        max_block = max(1, min(BLOCK_BYTES // (4 * max(v_local, 1) * shrink),
+                               -(-b * t // (32 * shrink))))
+    else:  # as asked (tests, the block-size benchmark): no share of the positions
+        max_block = max(1, block_bytes // (4 * max(v_local, 1) * shrink))
     padded = student_vocab_size < group_size(tp_group) * v_local  # some shard has padding
     if fused and not padded:
         max_block = b * t

@@ -48,6 +48,11 @@ from megatron_xdistill.training import kd_adapter
 from megatron_xdistill.training.arguments import trains_ce_only
 from megatron_xdistill.training.checkpointing import load_position, save_checkpoint
 from megatron_xdistill.training.clocks import PhaseTimes, device_now
+from megatron_xdistill.training.side_config import (
+    StudentSideConfig,
+    TeacherSideConfig,
+    params_dtype,
+)
 from megatron_xdistill.training.student_side import StepReport, StudentSide
 from megatron_xdistill.training.teacher_side import TeacherSide
 from megatron_xdistill.transport.liveness import PeerWatch, default_store
@@ -168,21 +173,22 @@ class Distiller:
                 f"({_describe(teacher_layouts[k])})" for k, v in enumerate(views))
             log(f"> teacher placement disaggregated: student on ranks "
                 f"0-{placement.teacher_offset - 1} ({_describe(self.student_layout)}), {where}")
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        dtype = params_dtype(args)
         self.times = PhaseTimes()
 
         infos = [models_api.ModelInfo.from_dict(cache.manifest.teacher_model) if read
                  else models_api.load_model_info(v.teacher_load)
                  for v, cache, read in zip(views, caches, reads, strict=True)]
-        sides = [TeacherSide(v, info, groups, runs=run, device=self.device, dtype=dtype,
+        sides = [TeacherSide(TeacherSideConfig.from_args(v), info, groups, runs=run,
+                             device=self.device, dtype=dtype,
                              world=teacher_world)
                  for v, info, groups, run, teacher_world in zip(
                      views, infos, teacher_groups, runs, teacher_worlds, strict=True)]
         student_info = models_api.load_model_info(args.load)
         self.student = None
         if has_student:
-            self.student = StudentSide(args, student_info, self.student_groups,
-                                       device=self.device, dtype=dtype,
+            self.student = StudentSide(StudentSideConfig.from_args(args), student_info,
+                                       self.student_groups, device=self.device,
                                        init_weights=init_weights, times=self.times,
                                        world=student_world)
         if placement.disaggregated:
@@ -271,13 +277,17 @@ class Distiller:
         return sum(lane.kd.payload_bytes_per_token for lane in self.lanes)
 
     # ------------------------------------------------------------------ the step
-    def train_step(self, samples: dict[int, dict], next_step: bool = False) -> dict[str, float]:
+    def train_step(self, samples: dict[int, dict], next_step: bool = False,
+                   source_metrics: dict[str, float] | None = None) -> dict[str, float]:
         """One optimizer step on the global batch whose local samples are ``samples``.
 
         Disaggregated placement: on teacher ranks this computes and sends the batch's payloads
         and returns at once (no metrics); on student ranks it waits for them and trains.
         ``next_step`` says whether this run takes another step after this one: student ranks
         then post its receives first, so that transfer overlaps this step.
+        ``source_metrics``: what the step's sample source measured (on-policy rollouts: their
+        generation, and ``tokens``, the response tokens the step trains on), merged into the
+        step's metrics.
         """
         step = self.step
         self.step += 1
@@ -307,7 +317,7 @@ class Distiller:
                                          teacher_seconds)
         if self.streams:  # the step waited for the slowest teacher
             self.times.teacher += report.teacher_seconds
-        return self._metrics(report)
+        return self._metrics(report, source_metrics or {})
 
     def _cached_payloads(self, lane: TeacherLane, samples: dict[int, dict]
                          ) -> dict[int, torch.Tensor]:
@@ -334,13 +344,16 @@ class Distiller:
         self.times.route += device_now(self.device) - t1
         return payloads
 
-    def _metrics(self, report: StepReport) -> dict[str, float]:
+    def _metrics(self, report: StepReport, source: dict[str, float]) -> dict[str, float]:
+        """The step's metrics; ``source``'s ``tokens`` (what an on-policy step trains on: CE
+        may count none of them) replaces the labelled tokens in the per-token figures."""
+        tokens = source.get("tokens", report.tokens)
         out = {"kd": report.kd, "ce": report.ce, "top1_agree": report.top1_agree,
                "grad_norm": report.grad_norm, "lr": report.lr, "skipped": int(report.skipped),
                "chunks": int(report.chunks), "tokens": int(report.tokens),
-               "teacher_fill": round(report.teacher_fill, 4),
-               "shipped_bytes_per_token": round(
-                   self.shipped_bytes_per_step / max(report.tokens, 1.0), 1)}
+               "teacher_fill": round(report.teacher_fill, 4)}
+        out.update(source, shipped_bytes_per_token=round(
+            self.shipped_bytes_per_step / max(tokens, 1.0), 1))
         if report.teachers:  # several: each teacher's agreement below, none combined
             del out["top1_agree"]
         for lane, teacher in zip(self.lanes, report.teachers or [], strict=False):

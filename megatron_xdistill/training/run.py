@@ -465,11 +465,8 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
             stop = stopper.agreed()  # every rank stops after the same step (the teacher's too)
             samples = next(steps)
             metrics = distiller.train_step(samples,
-                                           next_step=iteration + 1 < end and stop is None)
-            if metrics and "tokens" in getattr(steps, "metrics", {}):
-                # on-policy: the step trains on its responses' tokens (CE may count none)
-                metrics.update(steps.metrics, shipped_bytes_per_token=round(
-                    distiller.shipped_bytes_per_step / max(steps.metrics["tokens"], 1), 1))
+                                           next_step=iteration + 1 < end and stop is None,
+                                           source_metrics=getattr(steps, "metrics", None))
             iteration += 1
             steps_since += 1
             tokens_since += metrics.get("tokens", 0)  # disaggregated teacher ranks: no metrics

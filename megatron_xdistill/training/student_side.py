@@ -13,12 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
 
 from megatron_xdistill import models as models_api
 from megatron_xdistill.data.dataset import collate_samples, teacher_view
@@ -27,12 +23,11 @@ from megatron_xdistill.models.megatron_lm import megatron_lm_args
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.sample_owners import student_samples
 from megatron_xdistill.teachers.combination import Combination, choose_teachers
-from megatron_xdistill.training import arguments
 from megatron_xdistill.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_xdistill.training.clocks import LossClock, PhaseTimes, device_now
 from megatron_xdistill.training.kd_adapter import KDObjective
-from megatron_xdistill.training.lr_schedule import build_lr_scheduler
 from megatron_xdistill.training.schedule import run_schedule
+from megatron_xdistill.training.side_config import StudentSideConfig
 
 
 @dataclass
@@ -71,57 +66,44 @@ class StepReport:
 class StudentSide:
     """Student model shard of this rank: DDP, Megatron optimizer, LR schedule, step, evaluation."""
 
-    def __init__(self, args, info: models_api.ModelInfo, groups: ModelParallelGroups, *,
-                 device: torch.device, dtype: torch.dtype, init_weights: bool,
+    def __init__(self, config: StudentSideConfig, info: models_api.ModelInfo,
+                 groups: ModelParallelGroups, *, device: torch.device, init_weights: bool,
                  times: PhaseTimes, world=None) -> None:
-        """``init_weights``: load --load now (else a training checkpoint is restored by
-        :meth:`resume`). ``world``: the student ranks' group (None: the whole world)."""
-        self.args, self.info, self.groups, self.device = args, info, groups, device
+        """``init_weights``: load ``config.load`` now (else a training checkpoint is restored
+        by :meth:`resume`). ``world``: the student ranks' group (None: the whole world)."""
+        self.cfg, self.info, self.groups, self.device = config, info, groups, device
         self.world = world
         self.times = times
         self.loss_clock = LossClock(times)
-        self.mbs = args.micro_batch_size
-        self.num_microbatches = args.global_batch_size // (self.mbs * groups.layout.dp)
+        self.mbs = config.micro_batch_size
+        self.num_microbatches = config.global_batch_size // (self.mbs * groups.layout.dp)
         model, self.config = models_api.build_model_for_layout(
-            info, groups, dtype, seed=args.seed, **arguments.model_options(args, "student"))
+            info, groups, config.optimizer.params_dtype, seed=config.seed,
+            **config.model_options)
         if init_weights:
-            models_api.load_megatron_checkpoint(model, args.load, groups.pg_collection,
+            models_api.load_megatron_checkpoint(model, config.load, groups.pg_collection,
                                                 process_group=world)
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.grad_scale_func = None
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather,
-            bucket_size=args.ddp_bucket_size,
-        )
-        self.model = DistributedDataParallel(self.config, ddp_config, model,
+        self.model = DistributedDataParallel(self.config, config.ddp, model,
                                              pg_collection=groups.pg_collection)
-        if args.overlap_grad_reduce:  # the schedule holds the reduce until the last microbatch
+        if config.ddp.overlap_grad_reduce:  # the schedule holds the reduce until the last one
             self.config.no_sync_func = self.model.no_sync
             self.config.grad_sync_func = self.model.start_grad_sync
-        if args.overlap_param_gather:  # the next forward waits for each bucket's gather
+        if config.ddp.overlap_param_gather:  # the next forward waits for each bucket's gather
             self.config.param_sync_func = self.model.start_param_sync
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer=args.optimizer, sgd_momentum=args.sgd_momentum, lr=args.lr,
-                min_lr=args.min_lr, weight_decay=args.weight_decay,
-                adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                clip_grad=args.clip_grad, bf16=args.bf16, params_dtype=dtype,
-                use_distributed_optimizer=args.use_distributed_optimizer,
-            ),
-            [self.model],
+            config.optimizer, [self.model],
             use_gloo_process_groups=False,  # with a pg_collection Megatron needs this off
             pg_collection=groups.pg_collection,
         )
-        self.scheduler = build_lr_scheduler(self.optimizer, args)
+        self.scheduler = config.schedule.build(self.optimizer)
 
     # ------------------------------------------------------------------ the step
     def positions(self) -> list[int]:
         """Positions in the global batch of the samples this replica trains on, in micro-batch
         order."""
-        return student_samples(self.args.global_batch_size, self.mbs, self.groups.layout.dp,
+        return student_samples(self.cfg.global_batch_size, self.mbs, self.groups.layout.dp,
                                self.groups.coords["dp"])
 
     def microbatches(self, samples: dict[int, dict],
@@ -163,7 +145,7 @@ class StudentSide:
     def _loss(self, kds: list[KDObjective], combination: Combination, denominators: list[float],
               n_tokens: float, micro: Microbatch, logits: torch.Tensor):
         """This rank's share of the global-batch loss (normalised by global counts)."""
-        layout, clock, args = self.groups.layout, self.loss_clock, self.args
+        layout, clock, cfg = self.groups.layout, self.loss_clock, self.cfg
         t0 = device_now(self.device)
         logits = clock.enter(logits)
         if micro.payloads is None:  # CE alone
@@ -172,8 +154,8 @@ class StudentSide:
         else:
             terms = [self._teacher_terms(kd, k, micro, logits) for k, kd in enumerate(kds)]
             weights = list(combination.weights)
-        loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=args.ce_weight,
-                                dynamic_scaling=args.kd_dynamic_scaling,
+        loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=cfg.ce_weight,
+                                dynamic_scaling=cfg.kd_dynamic_scaling,
                                 kd_denominators=denominators, ce_denominator=n_tokens,
                                 dp_cp_group=self.groups.pg_collection.dp_cp,
                                 shared_denominator=combination.selects)
@@ -221,7 +203,7 @@ class StudentSide:
 
         reduced = run_schedule(self.model, self.config, groups, micro,
                                tokens=lambda m: m.batch["tokens"], loss_func=loss_func,
-                               seq_length=self.args.seq_length, micro_batch_size=self.mbs,
+                               seq_length=self.cfg.seq_length, micro_batch_size=self.mbs,
                                device=self.device, forward_only=False)
         t1 = device_now(self.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -278,7 +260,7 @@ class StudentSide:
         """With --overlap-param-gather the updated parameters arrive bucket by bucket during the
         next training forward: gather them all now (evaluation, checkpoints), as Megatron-LM
         does, and restore the overlap afterwards."""
-        if not self.args.overlap_param_gather:
+        if not self.cfg.ddp.overlap_param_gather:
             yield
             return
         self.model.disable_forward_pre_hook()
@@ -303,7 +285,7 @@ class StudentSide:
             for batch in batches:
                 reduced = run_schedule(self.model, self.config, groups, [batch],
                                        tokens=lambda b: b["tokens"], loss_func=ce_sums,
-                                       seq_length=self.args.seq_length,
+                                       seq_length=self.cfg.seq_length,
                                        micro_batch_size=batch["tokens"].size(0),
                                        device=self.device, forward_only=True)
                 if groups.is_last_stage and groups.coords["tp"] == 0:
@@ -323,11 +305,11 @@ class StudentSide:
         no flags)."""
         if dist.get_rank() == 0:
             models_api.save_model_info(self.info, root)
-            models_api.keep_hf_files(root, self.args.load, self.args.tokenizer_model)
+            models_api.keep_hf_files(root, self.cfg.load, self.cfg.tokenizer_model)
         layout = self.groups.layout
         megatron_args = megatron_lm_args(
-            self.info, tp=layout.tp, pp=layout.pp, cp=layout.cp, seq_length=self.args.seq_length,
-            bf16=bool(self.args.bf16), iteration=iteration,
+            self.info, tp=layout.tp, pp=layout.pp, cp=layout.cp, seq_length=self.cfg.seq_length,
+            bf16=self.cfg.bf16, iteration=iteration,
             consumed_samples=int(common.get("consumed_samples", 0)))
         with self.whole_parameters():
             return save_checkpoint(root, iteration, self.model.module, self.optimizer,
@@ -338,9 +320,9 @@ class StudentSide:
         """Model, optimizer, scheduler and RNG from a training checkpoint (collective over the
         student ranks; ``--no-load-optim`` / ``--no-load-rng`` keep this run's own); returns
         where the run stands."""
-        keep_optim = self.args.no_load_optim
+        keep_optim = not self.cfg.load_optim
         return load_checkpoint(root, self.model.module,
                                None if keep_optim else self.optimizer,
                                None if keep_optim else self.scheduler,
                                self.groups.pg_collection.dp_cp, process_group=self.world,
-                               load_rng=not self.args.no_load_rng)
+                               load_rng=self.cfg.load_rng)

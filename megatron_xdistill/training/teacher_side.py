@@ -16,31 +16,32 @@ from megatron_xdistill import models as models_api
 from megatron_xdistill.data.dataset import collate_samples, teacher_view
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.sample_owners import teacher_block
-from megatron_xdistill.training import arguments
 from megatron_xdistill.training.kd_adapter import KDObjective
 from megatron_xdistill.training.schedule import run_schedule
+from megatron_xdistill.training.side_config import TeacherSideConfig
 
 
 class TeacherSide:
     """Teacher model shard of this rank and its forward pass over its block of a global batch."""
 
-    def __init__(self, args, info: models_api.ModelInfo, groups: ModelParallelGroups, *,
-                 runs: bool, device: torch.device, dtype: torch.dtype, world=None) -> None:
-        """``runs``: this rank builds and runs a teacher shard (loaded from --teacher-load).
+    def __init__(self, config: TeacherSideConfig, info: models_api.ModelInfo,
+                 groups: ModelParallelGroups, *, runs: bool, device: torch.device,
+                 dtype: torch.dtype, world=None) -> None:
+        """``runs``: this rank builds and runs a teacher shard (loaded from ``config.load``).
         ``world``: the teacher ranks' group for the checkpoint load (None: the whole world)."""
-        self.args, self.info, self.groups, self.device = args, info, groups, device
+        self.cfg, self.info, self.groups, self.device = config, info, groups, device
         self.model = self.config = None
         if runs:
             self.model, self.config = models_api.build_model_for_layout(
-                info, groups, dtype, seed=args.seed, **arguments.model_options(args, "teacher"))
-            models_api.load_megatron_checkpoint(self.model, args.teacher_load,
+                info, groups, dtype, seed=config.seed, **config.model_options)
+            models_api.load_megatron_checkpoint(self.model, config.load,
                                                 groups.pg_collection, process_group=world)
             self.model.eval()
             for param in self.model.parameters():
                 param.requires_grad_(False)
-        per_replica = args.global_batch_size // groups.layout.dp
+        per_replica = config.global_batch_size // groups.layout.dp
         # The largest micro-batch that divides both the student's and this teacher's share.
-        self.micro_batch_size = math.gcd(args.micro_batch_size, per_replica)
+        self.micro_batch_size = math.gcd(config.micro_batch_size, per_replica)
 
     @property
     def runs(self) -> bool:
@@ -56,7 +57,7 @@ class TeacherSide:
         """Flat payload rows by sample position of this replica's block (last stage; other
         stages return an empty dict). ``index``: which of the run's teachers this is (its
         tokens and chunks in the samples)."""
-        block = teacher_block(self.args.global_batch_size, self.groups.layout.dp,
+        block = teacher_block(self.cfg.global_batch_size, self.groups.layout.dp,
                               self.groups.coords["dp"])
         mbs = self.micro_batch_size
         micro = [block[i : i + mbs] for i in range(0, len(block), mbs)]
@@ -70,7 +71,7 @@ class TeacherSide:
                      [teacher_view(collate_samples([samples[i] for i in ids]), index)
                       for ids in micro],
                      tokens=lambda batch: batch["teacher_tokens"], loss_func=payload_rows,
-                     seq_length=self.args.teacher_seq_length, micro_batch_size=mbs,
+                     seq_length=self.cfg.seq_length, micro_batch_size=mbs,
                      device=self.device, forward_only=True)
         payloads: dict[int, torch.Tensor] = {}
         for ids, flat in zip(micro, rows):
