@@ -267,11 +267,26 @@ if gpu:
     peak = torch.cuda.max_memory_allocated()
 else:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+profile = None
+if cfg["profile"] and form != "ce":  # one more forward + backward under torch.profiler
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profiler(activities=acts) as prof:
+        terms = parallel_kd_loss(leaf, payload, ids, has, has, shard, student_vocab_size=vs,
+                                 mode=mode, common_student_ids=common,
+                                 labels=labels if cfg["with_ce"] else None,
+                                 block_bytes=None if cfg["block_mib"] is None
+                                 else cfg["block_mib"] << 20)
+        (terms.kd_sum / terms.kd_count + terms.ce_sum).backward()
+        clock()
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    profile = prof.key_averages().table(sort_by=key, row_limit=cfg["profile"])
 best = timings[1:]
 print(json.dumps({
     "wall_s": min(t[0] for t in best), "cpu_s": min(t[1] for t in best),
     "extra_gib": (peak - base) / 2**30, "grad_gib": grad_bytes / 2**30,
-    "logits_gib": logits.numel() * logits.element_size() / 2**30,
+    "logits_gib": logits.numel() * logits.element_size() / 2**30, "profile": profile,
 }))
 """
 
@@ -304,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="one block's fp32 [block, V] buffer (default: the loss's own choice, "
                              "64 MiB and a share of the positions)")
     parser.add_argument("--with-ce", action="store_true", help="KD rows also fuse the CE")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after each KD row, the ROWS operations (GPU: kernels) that took "
+                             "the most time in one more forward + backward (torch.profiler)")
     args = parser.parse_args(argv)
     port = 29000 + os.getpid() % 1000
     clock = "wall_s" if args.device.startswith("cuda") else "cpu_s"
@@ -317,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
             base = dict(tokens=tokens, vs=vs, vt=args.vt, topk=args.topk, dtype=args.dtype,
                         device=args.device,
                         threads=args.threads, repeat=args.repeat, port=port,
-                        block_mib=args.block_mib, with_ce=args.with_ce)
+                        block_mib=args.block_mib, with_ce=args.with_ce,
+                        profile=args.profile)
             ce = run({**base, "form": "ce"})
             rows = [("megatron CE", ce)]
             for form in args.forms:
@@ -327,6 +346,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{tokens:>6} {vs:>7} {name:<16} {r['wall_s']:>7.3f} {r['cpu_s']:>7.3f} "
                       f"{r[clock] / ce[clock]:>5.2f} {r['extra_gib']:>9.3f} {net:>11.3f} "
                       f"{100 * net / r['logits_gib']:>7.1f}%", flush=True)
+            for name, r in rows:
+                if r.get("profile"):
+                    print(f"\n{name}, {tokens} tokens, V_s {vs}: one forward + backward\n"
+                          f"{r['profile']}", flush=True)
 
 
 if __name__ == "__main__":
