@@ -86,14 +86,33 @@ def count_ops(form: str, ce: bool, positions_per_block: int) -> tuple[int, int]:
     return forward.count + backward.count, forward.softmax
 
 
+def take_gpu_paths() -> None:
+    """Where the loss picks its implementation by device, take the one a GPU runs (on CPU
+    tensors): the exact form's sparse-matrix projection and few-slice teacher pass, gold's
+    ``torch.topk``. The counts then follow the GPU's operation sequence."""
+    import torch
+
+    from megatron_xdistill.loss import image_projection, kernels
+
+    image_projection.ImageProjection._numba = staticmethod(lambda t: False)
+    rule = kernels.DenseKernel.teacher_rows_per_step.__func__
+    kernels.DenseKernel.teacher_rows_per_step = classmethod(
+        lambda cls, n, device: rule(cls, n, torch.device("cuda")))
+    kernels.sorted_top = lambda x, n: x[:, :0] if n == 0 else x.topk(n, dim=1).values
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--forms", nargs="+", default=["topk", "chunk_topk", "gold", "full"],
                         choices=["topk", "chunk_topk", "gold", "full"])
     parser.add_argument("--ce", action="store_true", help="fuse the next-token CE")
+    parser.add_argument("--gpu-paths", action="store_true",
+                        help="count the operations of the GPU's implementation choices")
     args = parser.parse_args(argv)
+    if args.gpu_paths:
+        take_gpu_paths()
     print(f"{'form':<12} {'ops / block':>11} {'ops / call':>10} {'blocks':>7}   (CE fused: "
-          f"{'yes' if args.ce else 'no'})")
+          f"{'yes' if args.ce else 'no'}; {'GPU' if args.gpu_paths else 'CPU'} paths)")
     for form in args.forms:
         few_ops, few = count_ops(form, args.ce, 64)
         many_ops, many = count_ops(form, args.ce, 16)

@@ -303,3 +303,47 @@ def test_sample_weights_scale_each_samples_chunks(form, mode, topk):
     x = (0.5 * x).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda z: terms(z, weights).kd_sum, (x,), eps=1e-6,
                                     atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0], ids=["forward", "jsd", "reverse"])
+def test_exact_form_teacher_terms_do_not_depend_on_the_slice(monkeypatch, beta):
+    """The exact form's per-row teacher terms (outside W's image, and the teacher's argmax) are
+    read in slices of rows: one row a slice, the CPU's 32, and the whole payload at once (a
+    GPU's few large slices) give the reference's KD sum and top-1 count."""
+    from megatron_xdistill.loss import parallel_kd_loss
+    from megatron_xdistill.loss.kernels import DenseKernel
+
+    case = make_case(batch=3, ts=96, tt=88, vs=50, vt=70, seed=11)
+    spec = payload_spec("full", case.chunk_valid.shape[1], case.vt)
+    payload = teacher_payload(case.teacher_logits.double(),
+                              predicting_chunk_id(case.teacher_chunk_id), spec,
+                              vocab_size=case.vt)
+    details = reference.kd_loss_details(
+        case.real_student_logits.double(), case.real_teacher_logits.double(),
+        case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
+        case.projection.double(), "pkl", jsd_beta=beta)
+    assert int(details.counted.sum()) > 64  # more rows than one slice of 32
+    expected = float(details.per_chunk.sum())
+    results = []
+    for rows_per_slice in (1, 32, 10_000):
+        monkeypatch.setattr(DenseKernel, "TEACHER_ROWS", rows_per_slice)
+        terms = parallel_kd_loss(
+            case.student_logits.double(), payload, predicting_chunk_id(case.student_chunk_id),
+            case.chunk_valid, case.chunk_exact,
+            case.projection_rows(case.student_logits.shape[-1]), student_vocab_size=case.vs,
+            jsd_beta=beta)
+        assert float(terms.kd_sum) == pytest.approx(expected, rel=1e-6)  # fp32 payload rows
+        results.append((float(terms.kd_sum), float(terms.top1)))
+    assert results[0] == pytest.approx(results[1], rel=1e-12)
+    assert results[0] == pytest.approx(results[2], rel=1e-12)
+
+
+def test_a_gpu_reads_the_teacher_terms_in_a_few_slices():
+    """CPU: 32-row slices; elsewhere at most TEACHER_STEPS slices, never under 32 rows."""
+    from megatron_xdistill.loss.kernels import DenseKernel
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert DenseKernel.teacher_rows_per_step(11_000, cpu) == 32
+    rows = DenseKernel.teacher_rows_per_step(11_000, gpu)
+    assert -(-11_000 // rows) <= DenseKernel.TEACHER_STEPS and rows >= 32
+    assert DenseKernel.teacher_rows_per_step(100, gpu) == 32

@@ -258,8 +258,20 @@ class DenseKernel:
     """
 
     per_block = True
-    #: rows of [rows, V_t] teacher log-probs read at a time for the per-row teacher terms
+    #: rows of [rows, V_t] teacher log-probs read at a time for the per-row teacher terms (CPU:
+    #: a cache-sized slice, in reused buffers)
     TEACHER_ROWS = 32
+    #: elsewhere (a GPU) at most this many slices: each is ~9 kernels, so 32-row slices made the
+    #: pass launch-bound (3,000+ kernels at 16k tokens); 1/64 of the payload per slice keeps its
+    #: two temporaries at ~3% of the payload
+    TEACHER_STEPS = 64
+
+    @classmethod
+    def teacher_rows_per_step(cls, num_rows: int, device: torch.device) -> int:
+        """Rows of the teacher terms' pass per slice on ``device``."""
+        if torch.device(device).type == "cpu":
+            return cls.TEACHER_ROWS
+        return max(cls.TEACHER_ROWS, -(-num_rows // cls.TEACHER_STEPS))
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
                  beta: float, tp_group: Group, keys: torch.Tensor) -> None:
@@ -281,16 +293,23 @@ class DenseKernel:
         in_image = torch.zeros(width, dtype=torch.bool, device=dev)
         in_image[self.proj.image] = True
         outside_cols = torch.nonzero(~in_image, as_tuple=True)[0]
-        step = self.TEACHER_ROWS
+        step = self.teacher_rows_per_step(keys.numel(), dev)
+        reuse = dev.type == "cpu"  # a GPU's caching allocator reuses freed blocks already
+
+        def buffer(name: str, m: int) -> torch.Tensor:
+            if reuse:
+                return scratch(name, m * width, dev, self.logprobs.dtype).view(m, width)
+            return torch.empty(m, width, device=dev, dtype=self.logprobs.dtype)
+
         for lo in range(0, keys.numel(), step):
             part = keys[lo: lo + step]
             m = part.numel()
-            lp = scratch("teacher_lp", m * width, dev, self.logprobs.dtype).view(m, width)
+            lp = buffer("teacher_lp", m)
             torch.index_select(self.logprobs, 0, part, out=lp)
             argmax[part] = lp.argmax(-1)
             if self.beta == 1.0:  # reverse KL: nothing outside I
                 continue
-            p = scratch("teacher_p", m * width, dev, self.logprobs.dtype).view(m, width)
+            p = buffer("teacher_p", m)
             torch.exp(lp, out=p)
             # Both sums accumulate in fp64: a row's entropy and the mass outside I (summed over
             # its own columns, not 1 - the mass on I) feed every step's KL of that row.
