@@ -50,6 +50,10 @@ class ChunkRows:
     # Per position, relative to its block (so a block's work takes slices, not index arithmetic):
     block_seg: torch.Tensor | None = None        # [N] row within the block, -1 for none
     block_seg_dummy: torch.Tensor | None = None  # [N] the same, 'none' = the block's row count
+    # Per block, its rows held whole / split over CP (block-relative indices), found once on the
+    # CPU: the per-block loss then never waits on the device to select them.
+    block_local: list[torch.Tensor] | None = None
+    block_split: list[torch.Tensor] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -58,8 +62,13 @@ class ChunkRows:
     def to(self, device: torch.device) -> ChunkRows:
         """These rows with every tensor on ``device``: moved once per loss call, so that the
         loss indexes the logits' device with indices on that device (CUDA refuses a mix)."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                moved[f.name] = value.to(device)
+            elif f.name in ("block_local", "block_split") and value is not None:
+                moved[f.name] = [t.to(device) for t in value]
         return replace(self, **moved)
 
     @property
@@ -122,7 +131,20 @@ def build_chunk_rows(
     )
     rows.blocks = _cut_blocks(key, valid, counts, block_tokens)
     rows.block_seg, rows.block_seg_dummy = _block_relative(pos_row, rows.blocks)
+    rows.block_local, rows.block_split = _block_row_kinds(split_slot, rows.blocks)
     return rows
+
+
+def _block_row_kinds(split_slot: torch.Tensor, blocks: list[Block]
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per block (on the CPU): indices, relative to the block's first row, of its rows held
+    whole and of its rows split over CP."""
+    local, split = [], []
+    for blk in blocks:
+        slot = split_slot[blk.row_start: blk.row_end]
+        local.append(torch.nonzero(slot < 0, as_tuple=True)[0])
+        split.append(torch.nonzero(slot >= 0, as_tuple=True)[0])
+    return local, split
 
 
 def _block_relative(pos_row: torch.Tensor, blocks: list[Block]

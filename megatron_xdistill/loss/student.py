@@ -172,8 +172,8 @@ class _Plan:
             data = self._block(x, probs, lz_local, blk, index)
             raw = kernel.raw(data)
             if kernel.per_block:
-                split_buf = self._stash_split(raw, blk, split_buf)
-                acc[:2] += self._finish_local(raw, blk)
+                split_buf = self._stash_split(raw, blk, split_buf, index)
+                acc[:2] += self._finish_local(raw, blk, index)
             else:
                 raws.append(raw)
         if not kernel.per_block:
@@ -253,28 +253,31 @@ class _Plan:
         if mass is not None:
             self.extra[start:end] = mass * torch.exp(lz_local - logz)
 
-    def _stash_split(self, raw: Raw, blk, buf: Raw | None) -> Raw | None:
-        """Copy the raw sums of split rows (of a block, or of all rows) into the CP buffer."""
+    def _stash_split(self, raw: Raw, blk, buf: Raw | None, index: int = 0) -> Raw | None:
+        """Copy the raw sums of split rows (of block ``blk``, number ``index``, or of all rows)
+        into the CP buffer."""
         rows = self.rows
         if rows.split_keys.numel() == 0:
             return None
         if buf is None:
             n = rows.split_keys.numel()
             buf = {k: v.new_zeros(n, *v.shape[1:]) for k, v in raw.items()}
-        lo, hi = (0, rows.num_rows) if blk is None else (blk.row_start, blk.row_end)
+        if blk is None:
+            lo, hi, sel = 0, rows.num_rows, rows.split_rows
+        else:
+            lo, hi, sel = blk.row_start, blk.row_end, rows.block_split[index]
         slot = rows.split_slot[lo:hi]
-        sel = torch.nonzero(slot >= 0, as_tuple=True)[0]
         if sel.numel():
             dst = slot[sel]
             for k, v in raw.items():
                 buf[k][dst] = v.index_select(0, sel)
         return buf
 
-    def _finish_local(self, raw: Raw, blk) -> torch.Tensor:
-        """(KL sum, top-1 matches) of a block's rows held whole by this rank."""
+    def _finish_local(self, raw: Raw, blk, index: int) -> torch.Tensor:
+        """(KL sum, top-1 matches) of the rows of block ``blk`` (number ``index``) held whole
+        by this rank."""
         rows = self.rows
-        slot = rows.split_slot[blk.row_start: blk.row_end]
-        sel = torch.nonzero(slot < 0, as_tuple=True)[0]
+        sel = rows.block_local[index]
         dev = next(iter(raw.values())).device
         if sel.numel() == 0:
             return torch.zeros(2, dtype=torch.float64, device=dev)
@@ -430,14 +433,14 @@ class _Plan:
         raw = kernel.raw(data)  # per-block kernels: recompute, then the KL's gradient
         out = {k: torch.zeros_like(v) for k, v in raw.items()}
         slot = rows.split_slot[blk.row_start: blk.row_end]
-        local = torch.nonzero(slot < 0, as_tuple=True)[0]
+        local = rows.block_local[data.index]
         if local.numel():
             keys = rows.keys[blk.row_start: blk.row_end][local]
             counts = rows.count[blk.row_start: blk.row_end][local]
             g = self._grad_of(_take(raw, local), keys, counts, g_kd)
             for k in out:
                 out[k][local] = g[k]
-        split = torch.nonzero(slot >= 0, as_tuple=True)[0]
+        split = rows.block_split[data.index]
         if split.numel():
             for k in out:
                 out[k][split] = g_split[k][slot[split]]
