@@ -172,22 +172,28 @@ def _synchronisations(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in seen)
 
 
-@pytest.mark.parametrize("form,topk", [("topk", 12), ("chunk_topk", 6)])
+@pytest.mark.parametrize("form,topk", [("topk", 12), ("chunk_topk", 6), ("full", None),
+                                       ("gold", None)])
 def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
     """The column P-KL (the default payload) expands its W entries once per call: its forward
     and backward wait on the GPU no more often with 40 blocks than with 2 (per-block waits were
-    a large part of the loss's time on an H100)."""
+    a large part of the loss's time on an H100). The exact and gold forms finish their rows
+    per block; their row selection is found on the CPU with the blocks, so they too."""
     from megatron_xdistill.loss import parallel_kd_loss
-    from megatron_xdistill.loss.common import predicting_chunk_id
+    from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
 
     case = make_case(batch=3, ts=40, tt=32, vs=300, vt=250, vs_padded=320, vt_padded=256,
                      seed=4, realistic=True, normalised_rows=True)
-    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk)
+    mode = "gold" if form == "gold" else "pkl"
+    common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
+    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
+                        num_common=None if common[0] is None else common[0].numel())
     dev = torch.device("cuda")
     payload = teacher_payload(case.teacher_logits.to(dev),
-                              predicting_chunk_id(case.teacher_chunk_id), spec, vocab_size=case.vt)
+                              predicting_chunk_id(case.teacher_chunk_id), spec, vocab_size=case.vt,
+                              common_teacher_ids=None if common[1] is None else common[1].to(dev))
     chunk_id = predicting_chunk_id(case.student_chunk_id)
     projection = case.projection_rows(case.student_logits.shape[-1])
     labels = case.labels.to(dev)
@@ -198,7 +204,10 @@ def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
         def step(logits=logits, positions=positions):
             terms = parallel_kd_loss(logits, payload, chunk_id, case.chunk_valid,
                                      case.chunk_exact, projection, student_vocab_size=case.vs,
-                                     labels=labels, block_bytes=4 * 320 * positions)
+                                     mode=mode, labels=labels,
+                                     common_student_ids=None if common[0] is None
+                                     else common[0].to(dev),
+                                     block_bytes=4 * 320 * positions * (4 if topk is None else 1))
             (terms.kd_sum + terms.ce_sum).backward()
 
         step()  # warm-up: first-call setup is not what is counted
