@@ -151,17 +151,20 @@ def main(argv: list[str] | None = None) -> int:
           f"rank runs both (student DP={args.nproc}, teacher TP={args.nproc}); disaggregated: "
           f"{t_ranks} teacher rank(s) (TP={t_ranks}), {args.nproc - t_ranks} student rank(s) "
           f"(DP), teacher of step k+1 overlapping the student of step k. 'wall' is the measured "
-          f"step time (the phases of the two sides overlap when disaggregated).\n")
+          f"step time (the phases of the two sides overlap when disaggregated); 'teacher fill' the "
+          f"share of teacher positions that hold real tokens (the teacher's length derived from "
+          f"the data).\n")
     head = ("| placement | payload | " + " | ".join(PHASES)
-            + " | wall | wall / (teacher + student + optimizer) | tokens/s | B/token |")
+            + " | wall | wall / (teacher + student + optimizer) | tokens/s | B/token "
+              "| teacher fill |")
     print(head)
-    print("|" + "---|" * (len(PHASES) + 6))
-    for placement, topk, (mean, wall, tok_s, bpt) in rows:
+    print("|" + "---|" * (len(PHASES) + 7))
+    for placement, topk, (mean, wall, tok_s, bpt, fill) in rows:
         name = f"chunk top-{topk} + tail" if topk else "full vocabulary"
         cells = " | ".join(f"{mean[p]:.2f}" for p in PHASES)
         parts = mean["teacher"] + mean["student"] + mean["optimizer"]
         print(f"| {placement} | {name} | {cells} | {wall:.2f} | {wall / parts:.2f} | "
-              f"{tok_s:.0f} | {bpt:,.0f} |")
+              f"{tok_s:.0f} | {bpt:,.0f} | {fill:.1%} |")
     return 0
 
 
@@ -176,7 +179,7 @@ def _measure(args, models, train: Path, work: Path, placement: str, topk: int):
     metrics = work / f"metrics-{placement}-{topk}.jsonl"
     cmd = pretrain_command(models, args.nproc, {
         **layout, "data-path": train, "seq-length": args.seq_length,
-        "teacher-seq-length": args.seq_length + args.seq_length // 4,
+        # the teacher's length as users get it: derived from the data (issue 18: padding)
         "micro-batch-size": args.micro_batch_size, "global-batch-size": args.global_batch_size,
         "bf16": args.bf16,
         "train-iters": args.train_iters, "lr": "3e-5", "kd-loss": "pkl",
@@ -190,7 +193,8 @@ def _measure(args, models, train: Path, work: Path, placement: str, topk: int):
     mean = {p: sum(r[f"time_{p}"] for r in steps) / len(steps) for p in PHASES}
     tok_s = sum(r["tokens_per_s"] for r in steps) / len(steps)
     wall = sum(r["tokens"] / r["tokens_per_s"] for r in steps) / len(steps)
-    return mean, wall, tok_s, steps[-1]["payload_bytes_per_token"]
+    fill = sum(r["teacher_fill"] for r in steps) / len(steps)
+    return mean, wall, tok_s, steps[-1]["payload_bytes_per_token"], fill
 
 
 if __name__ == "__main__":
