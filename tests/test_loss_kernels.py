@@ -119,3 +119,23 @@ def test_blocks_end_where_chunks_end_and_hold_their_rows_whole(block_tokens):
         assert held.unique().tolist() == list(range(blk.row_start, blk.row_end))
         start, row = blk.end, blk.row_end
     assert start == 120 and row == rows.num_rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_blocks_rows_held_whole_or_split_are_found_once(seed):
+    """The per-block row selections found once per call (concatenated, with offsets) equal a
+    per-block search, relative to each block's first row; blocks without rows, or without
+    selected rows, get none."""
+    from megatron_xdistill.loss.chunk_rows import Block, _rows_by_block
+
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = 40
+    cuts = sorted({0, num_rows, *torch.randint(0, num_rows, (6,), generator=gen).tolist()})
+    cuts = [0, 0, *cuts[1:]]  # a first block without rows
+    blocks = [Block(3 * a, 3 * b, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+    selected = torch.rand(num_rows, generator=gen) < (0.1 if seed == 0 else 0.6)
+    flat, off = _rows_by_block(selected, blocks)
+    assert len(off) == len(blocks) + 1 and off[0] == 0 and off[-1] == int(selected.sum())
+    for i, blk in enumerate(blocks):
+        want = torch.nonzero(selected[blk.row_start: blk.row_end], as_tuple=True)[0]
+        assert flat[off[i]: off[i + 1]].tolist() == want.tolist()

@@ -50,10 +50,13 @@ class ChunkRows:
     # Per position, relative to its block (so a block's work takes slices, not index arithmetic):
     block_seg: torch.Tensor | None = None        # [N] row within the block, -1 for none
     block_seg_dummy: torch.Tensor | None = None  # [N] the same, 'none' = the block's row count
-    # Per block, its rows held whole / split over CP (block-relative indices), found once on the
-    # CPU: the per-block loss then never waits on the device to select them.
-    block_local: list[torch.Tensor] | None = None
-    block_split: list[torch.Tensor] | None = None
+    # Per block, its rows held whole / split over CP (block-relative indices, all blocks'
+    # concatenated; block i's are [off[i], off[i + 1])), found once on the CPU and moved in one
+    # copy each: the per-block loss then never waits on the device to select them.
+    block_local: torch.Tensor | None = None
+    block_split: torch.Tensor | None = None
+    block_local_off: list[int] | None = None
+    block_split_off: list[int] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -62,14 +65,19 @@ class ChunkRows:
     def to(self, device: torch.device) -> ChunkRows:
         """These rows with every tensor on ``device``: moved once per loss call, so that the
         loss indexes the logits' device with indices on that device (CUDA refuses a mix)."""
-        moved = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                moved[f.name] = value.to(device)
-            elif f.name in ("block_local", "block_split") and value is not None:
-                moved[f.name] = [t.to(device) for t in value]
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
+
+    def local_of_block(self, index: int) -> torch.Tensor:
+        """Block ``index``'s rows held whole by this rank, relative to its first row."""
+        off = self.block_local_off
+        return self.block_local[off[index]: off[index + 1]]
+
+    def split_of_block(self, index: int) -> torch.Tensor:
+        """Block ``index``'s rows split over CP, relative to its first row."""
+        off = self.block_split_off
+        return self.block_split[off[index]: off[index + 1]]
 
     @property
     def local_rows(self) -> torch.Tensor:
@@ -131,20 +139,21 @@ def build_chunk_rows(
     )
     rows.blocks = _cut_blocks(key, valid, counts, block_tokens)
     rows.block_seg, rows.block_seg_dummy = _block_relative(pos_row, rows.blocks)
-    rows.block_local, rows.block_split = _block_row_kinds(split_slot, rows.blocks)
+    rows.block_local, rows.block_local_off = _rows_by_block(split_slot < 0, rows.blocks)
+    rows.block_split, rows.block_split_off = _rows_by_block(split_slot >= 0, rows.blocks)
     return rows
 
 
-def _block_row_kinds(split_slot: torch.Tensor, blocks: list[Block]
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per block (on the CPU): indices, relative to the block's first row, of its rows held
-    whole and of its rows split over CP."""
-    local, split = [], []
-    for blk in blocks:
-        slot = split_slot[blk.row_start: blk.row_end]
-        local.append(torch.nonzero(slot < 0, as_tuple=True)[0])
-        split.append(torch.nonzero(slot >= 0, as_tuple=True)[0])
-    return local, split
+def _rows_by_block(selected: torch.Tensor, blocks: list[Block]
+                   ) -> tuple[torch.Tensor, list[int]]:
+    """(indices of the ``selected`` rows relative to their block's first row, all blocks'
+    concatenated; offsets per block) on the CPU."""
+    rows = torch.nonzero(selected, as_tuple=True)[0]
+    starts = np.array([blk.row_start for blk in blocks] + [selected.numel()], dtype=np.int64)
+    off = np.searchsorted(rows.numpy(), starts).tolist()
+    first = torch.repeat_interleave(torch.as_tensor(starts[:-1]),
+                                    torch.as_tensor(np.diff(off), dtype=torch.int64))
+    return rows - first, off
 
 
 def _block_relative(pos_row: torch.Tensor, blocks: list[Block]

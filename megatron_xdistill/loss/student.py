@@ -265,7 +265,7 @@ class _Plan:
         if blk is None:
             lo, hi, sel = 0, rows.num_rows, rows.split_rows
         else:
-            lo, hi, sel = blk.row_start, blk.row_end, rows.block_split[index]
+            lo, hi, sel = blk.row_start, blk.row_end, rows.split_of_block(index)
         slot = rows.split_slot[lo:hi]
         if sel.numel():
             dst = slot[sel]
@@ -277,7 +277,7 @@ class _Plan:
         """(KL sum, top-1 matches) of the rows of block ``blk`` (number ``index``) held whole
         by this rank."""
         rows = self.rows
-        sel = rows.block_local[index]
+        sel = rows.local_of_block(index)
         dev = next(iter(raw.values())).device
         if sel.numel() == 0:
             return torch.zeros(2, dtype=torch.float64, device=dev)
@@ -433,14 +433,14 @@ class _Plan:
         raw = kernel.raw(data)  # per-block kernels: recompute, then the KL's gradient
         out = {k: torch.zeros_like(v) for k, v in raw.items()}
         slot = rows.split_slot[blk.row_start: blk.row_end]
-        local = rows.block_local[data.index]
+        local = rows.local_of_block(data.index)
         if local.numel():
             keys = rows.keys[blk.row_start: blk.row_end][local]
             counts = rows.count[blk.row_start: blk.row_end][local]
             g = self._grad_of(_take(raw, local), keys, counts, g_kd)
             for k in out:
                 out[k][local] = g[k]
-        split = rows.block_split[data.index]
+        split = rows.split_of_block(data.index)
         if split.numel():
             for k in out:
                 out[k][split] = g_split[k][slot[split]]
