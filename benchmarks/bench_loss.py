@@ -251,14 +251,18 @@ else:
     base = memory()
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    for i in range(cfg["repeat"] + 1):
-        t0, c0 = clock()
+
+    def kd_step():  # one forward + backward of the KD loss (+ CE with --with-ce)
         terms = parallel_kd_loss(leaf, payload, ids, has, has, shard, student_vocab_size=vs,
                                  mode=mode, common_student_ids=common,
                                  labels=labels if cfg["with_ce"] else None,
                                  block_bytes=None if cfg["block_mib"] is None
                                  else cfg["block_mib"] << 20)
         (terms.kd_sum / terms.kd_count + terms.ce_sum).backward()
+
+    for i in range(cfg["repeat"] + 1):
+        t0, c0 = clock()
+        kd_step()
         t1, c1 = clock()
         timings.append((t1 - t0, c1 - c0))
         leaf.grad = None
@@ -273,12 +277,7 @@ if cfg["profile"] and form != "ce":  # one more forward + backward under torch.p
     from torch.profiler import profile as profiler
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with profiler(activities=acts) as prof:
-        terms = parallel_kd_loss(leaf, payload, ids, has, has, shard, student_vocab_size=vs,
-                                 mode=mode, common_student_ids=common,
-                                 labels=labels if cfg["with_ce"] else None,
-                                 block_bytes=None if cfg["block_mib"] is None
-                                 else cfg["block_mib"] << 20)
-        (terms.kd_sum / terms.kd_count + terms.ce_sum).backward()
+        kd_step()
         clock()
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     profile = prof.key_averages().table(sort_by=key, row_limit=cfg["profile"])
