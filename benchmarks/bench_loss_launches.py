@@ -92,13 +92,13 @@ def take_gpu_paths() -> None:
     ``torch.topk``. The counts then follow the GPU's operation sequence."""
     import torch
 
-    from megatron_xdistill.loss import image_projection, kernels
+    from megatron_xdistill.loss import image_projection, kernels, sorted_top
 
     image_projection.ImageProjection._numba = staticmethod(lambda t: False)
     rule = kernels.DenseKernel.teacher_rows_per_step.__func__
     kernels.DenseKernel.teacher_rows_per_step = classmethod(
         lambda cls, n, device: rule(cls, n, torch.device("cuda")))
-    kernels.sorted_top = lambda x, n: x[:, :0] if n == 0 else x.topk(n, dim=1).values
+    sorted_top._numpy_path = lambda x: False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -273,7 +273,7 @@ def test_config_errors_name_the_file_and_the_key(base, tmp_path, text, overrides
 def test_wsd_and_warmup_fraction_follow_megatron_lm(base, style, formula):
     """--lr-decay-style WSD with --lr-warmup-fraction: linear warmup from --lr-warmup-init over
     10% of 20 iterations, stable, then the WSD decay over the last 5 (closed form here)."""
-    from megatron_xdistill.training.lr_schedule import build_lr_scheduler
+    from megatron_xdistill.training.lr_schedule import LRSchedule
 
     at = base.index("--train-iters")
     argv = [*base[:at], *base[at + 2:], "--train-iters", "20", "--lr", "1.0", "--min-lr", "0.1",
@@ -282,7 +282,7 @@ def test_wsd_and_warmup_fraction_follow_megatron_lm(base, style, formula):
     args = parse_args(argv, 4)
     assert args.lr_warmup_iters == 2
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    scheduler = build_lr_scheduler(optimizer, args)
+    scheduler = LRSchedule.from_args(args).build(optimizer)
     for step in range(1, 21):
         scheduler.step(1)
         if step <= 2:

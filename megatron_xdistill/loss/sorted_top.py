@@ -46,12 +46,17 @@ class _SortedTop(torch.autograd.Function):
         return out.scatter_(1, cols, grad), None
 
 
+def _numpy_path(x: torch.Tensor) -> bool:
+    """Whether NumPy sorts ``x`` (CPU fp32 / fp64); elsewhere ``torch.topk``."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
 def sorted_top(x: torch.Tensor, n: int) -> torch.Tensor:
     """The ``n`` largest values of each row of ``x`` [r, m] (n <= m), sorted descending;
     differentiable (the gradient goes to the columns they came from)."""
     if n == 0:
         return x[:, :0]
-    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+    if _numpy_path(x):
         return _SortedTop.apply(x, n)
     return x.topk(n, dim=1).values
 

@@ -49,8 +49,3 @@ class LRSchedule:
             end_wd=self.weight_decay, wd_incr_steps=self.train_iters,
             wd_incr_style="constant", wsd_decay_steps=self.wsd_decay_steps,
             lr_wsd_decay_style=self.wsd_decay_style)
-
-
-def build_lr_scheduler(optimizer, args: argparse.Namespace):
-    """The scheduler of ``optimizer`` for the run arguments ``args``."""
-    return LRSchedule.from_args(args).build(optimizer)

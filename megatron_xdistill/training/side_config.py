@@ -55,9 +55,8 @@ class StudentSideConfig:
     seq_length: int
     global_batch_size: int
     micro_batch_size: int
-    bf16: bool
     ddp: DistributedDataParallelConfig
-    optimizer: OptimizerConfig
+    optimizer: OptimizerConfig  # its bf16 / params_dtype: the models' precision
     schedule: LRSchedule
     ce_weight: float
     kd_dynamic_scaling: bool
@@ -83,7 +82,7 @@ class StudentSideConfig:
         )
         return cls(load=args.load, tokenizer_model=args.tokenizer_model, seed=args.seed,
                    seq_length=args.seq_length, global_batch_size=args.global_batch_size,
-                   micro_batch_size=args.micro_batch_size, bf16=bool(args.bf16), ddp=ddp,
+                   micro_batch_size=args.micro_batch_size, ddp=ddp,
                    optimizer=optimizer, schedule=LRSchedule.from_args(args),
                    ce_weight=args.ce_weight, kd_dynamic_scaling=bool(args.kd_dynamic_scaling),
                    load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,

@@ -71,7 +71,7 @@ class StudentSide:
                  times: PhaseTimes, world=None) -> None:
         """``init_weights``: load ``config.load`` now (else a training checkpoint is restored
         by :meth:`resume`). ``world``: the student ranks' group (None: the whole world)."""
-        self.cfg, self.info, self.groups, self.device = config, info, groups, device
+        self.side_config, self.info, self.groups, self.device = config, info, groups, device
         self.world = world
         self.times = times
         self.loss_clock = LossClock(times)
@@ -103,7 +103,7 @@ class StudentSide:
     def positions(self) -> list[int]:
         """Positions in the global batch of the samples this replica trains on, in micro-batch
         order."""
-        return student_samples(self.cfg.global_batch_size, self.mbs, self.groups.layout.dp,
+        return student_samples(self.side_config.global_batch_size, self.mbs, self.groups.layout.dp,
                                self.groups.coords["dp"])
 
     def microbatches(self, samples: dict[int, dict],
@@ -145,7 +145,7 @@ class StudentSide:
     def _loss(self, kds: list[KDObjective], combination: Combination, denominators: list[float],
               n_tokens: float, micro: Microbatch, logits: torch.Tensor):
         """This rank's share of the global-batch loss (normalised by global counts)."""
-        layout, clock, cfg = self.groups.layout, self.loss_clock, self.cfg
+        layout, clock, cfg = self.groups.layout, self.loss_clock, self.side_config
         t0 = device_now(self.device)
         logits = clock.enter(logits)
         if micro.payloads is None:  # CE alone
@@ -203,7 +203,7 @@ class StudentSide:
 
         reduced = run_schedule(self.model, self.config, groups, micro,
                                tokens=lambda m: m.batch["tokens"], loss_func=loss_func,
-                               seq_length=self.cfg.seq_length, micro_batch_size=self.mbs,
+                               seq_length=self.side_config.seq_length, micro_batch_size=self.mbs,
                                device=self.device, forward_only=False)
         t1 = device_now(self.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -260,7 +260,7 @@ class StudentSide:
         """With --overlap-param-gather the updated parameters arrive bucket by bucket during the
         next training forward: gather them all now (evaluation, checkpoints), as Megatron-LM
         does, and restore the overlap afterwards."""
-        if not self.cfg.ddp.overlap_param_gather:
+        if not self.side_config.ddp.overlap_param_gather:
             yield
             return
         self.model.disable_forward_pre_hook()
@@ -285,7 +285,7 @@ class StudentSide:
             for batch in batches:
                 reduced = run_schedule(self.model, self.config, groups, [batch],
                                        tokens=lambda b: b["tokens"], loss_func=ce_sums,
-                                       seq_length=self.cfg.seq_length,
+                                       seq_length=self.side_config.seq_length,
                                        micro_batch_size=batch["tokens"].size(0),
                                        device=self.device, forward_only=True)
                 if groups.is_last_stage and groups.coords["tp"] == 0:
@@ -305,11 +305,12 @@ class StudentSide:
         no flags)."""
         if dist.get_rank() == 0:
             models_api.save_model_info(self.info, root)
-            models_api.keep_hf_files(root, self.cfg.load, self.cfg.tokenizer_model)
+            models_api.keep_hf_files(root, self.side_config.load, self.side_config.tokenizer_model)
         layout = self.groups.layout
         megatron_args = megatron_lm_args(
-            self.info, tp=layout.tp, pp=layout.pp, cp=layout.cp, seq_length=self.cfg.seq_length,
-            bf16=self.cfg.bf16, iteration=iteration,
+            self.info, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+            seq_length=self.side_config.seq_length,
+            bf16=self.side_config.optimizer.bf16, iteration=iteration,
             consumed_samples=int(common.get("consumed_samples", 0)))
         with self.whole_parameters():
             return save_checkpoint(root, iteration, self.model.module, self.optimizer,
@@ -320,9 +321,9 @@ class StudentSide:
         """Model, optimizer, scheduler and RNG from a training checkpoint (collective over the
         student ranks; ``--no-load-optim`` / ``--no-load-rng`` keep this run's own); returns
         where the run stands."""
-        keep_optim = not self.cfg.load_optim
+        keep_optim = not self.side_config.load_optim
         return load_checkpoint(root, self.model.module,
                                None if keep_optim else self.optimizer,
                                None if keep_optim else self.scheduler,
                                self.groups.pg_collection.dp_cp, process_group=self.world,
-                               load_rng=self.cfg.load_rng)
+                               load_rng=self.side_config.load_rng)

@@ -29,7 +29,7 @@ class TeacherSide:
                  dtype: torch.dtype, world=None) -> None:
         """``runs``: this rank builds and runs a teacher shard (loaded from ``config.load``).
         ``world``: the teacher ranks' group for the checkpoint load (None: the whole world)."""
-        self.cfg, self.info, self.groups, self.device = config, info, groups, device
+        self.side_config, self.info, self.groups, self.device = config, info, groups, device
         self.model = self.config = None
         if runs:
             self.model, self.config = models_api.build_model_for_layout(
@@ -57,7 +57,7 @@ class TeacherSide:
         """Flat payload rows by sample position of this replica's block (last stage; other
         stages return an empty dict). ``index``: which of the run's teachers this is (its
         tokens and chunks in the samples)."""
-        block = teacher_block(self.cfg.global_batch_size, self.groups.layout.dp,
+        block = teacher_block(self.side_config.global_batch_size, self.groups.layout.dp,
                               self.groups.coords["dp"])
         mbs = self.micro_batch_size
         micro = [block[i : i + mbs] for i in range(0, len(block), mbs)]
@@ -71,7 +71,7 @@ class TeacherSide:
                      [teacher_view(collate_samples([samples[i] for i in ids]), index)
                       for ids in micro],
                      tokens=lambda batch: batch["teacher_tokens"], loss_func=payload_rows,
-                     seq_length=self.cfg.seq_length, micro_batch_size=mbs,
+                     seq_length=self.side_config.seq_length, micro_batch_size=mbs,
                      device=self.device, forward_only=True)
         payloads: dict[int, torch.Tensor] = {}
         for ids, flat in zip(micro, rows):
