@@ -136,6 +136,25 @@ V_s 49,152, k = 256, no CE fused; ms per forward + backward): megatron CE 12, to
 chunk_topk 10 (0.86x), gold 572 (48x), full 487 (41x). The fused column forms hold at or below
 CE; the exact and gold forms stay blockwise (at most 1/128 of the positions per block, for the
 memory target) and launch-bound.
+
+The exact and gold forms by block size, one H200 at 0bf2ee4 (2026-11-27, ``checks.sh
+bench_loss_blocks``; fp32, 16k tokens, V_s 49,152; the exact form's teacher terms read in 64
+slices, the blocks' rows selected on the host; "block" = positions a block, ``--block-mib`` is
+four times its fp32 buffer):
+
+  block   blocks   gold ms   x CE    extra / logits   full ms   x CE    extra / logits
+     85      193       378   32.2        3.3%             403   34.3        6.6%
+    682       24       113    9.7       25.7%             249   21.3       51.2%
+  2,730        6       101    8.5      102.5%             242   20.5      203.9%
+
+(The default-block rows of that session's bench_loss part: gold 535, full 341 ms.) Launch-bound
+at small blocks, ~1.6 ms (gold) and ~0.9 ms (full) a block; the extra memory grows 6.2 and 12.3
+block buffers. Hence the accelerator default of ``loss.student.block_positions``: the largest
+block whose buffers stay within 10% of the logits (gold 264 positions, full 133 here, from 85).
+The profile at 85 positions: gold's GPU busy 154 ms of its 378 (torch.topk of 8,192 of the
+~24k uncommon columns: 55 ms), full's 269 ms (the sparse projection and its transpose 91 ms,
+gathers and sums of the [rows, |I|] projected mass 61 ms): at large blocks both are bound by
+that GPU work, so the targets (2x / 1.5x CE) need fused kernels, not block sizes.
 """
 
 from __future__ import annotations

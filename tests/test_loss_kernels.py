@@ -139,3 +139,31 @@ def test_each_blocks_rows_held_whole_or_split_are_found_once(seed):
     for i, blk in enumerate(blocks):
         want = torch.nonzero(selected[blk.row_start: blk.row_end], as_tuple=True)[0]
         assert flat[off[i]: off[i + 1]].tolist() == want.tolist()
+
+
+def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_its_rule():
+    """Accelerators: the per-block kernels (exact and gold forms) take the largest block whose
+    temporaries (``block_buffers`` fp32 [block, V] buffers) stay within BLOCK_MEMORY_SHARE of the
+    logits, never smaller than the CPU rule; CPU and the column forms keep 64 MiB / 16 MiB
+    blocks and their share of the positions."""
+    from megatron_xdistill.loss.kernel_choice import NoKernel
+    from megatron_xdistill.loss.kernels import ColumnsKernel, DenseKernel, GoldKernel
+    from megatron_xdistill.loss.student import BLOCK_MEMORY_SHARE, block_positions
+
+    n, v = 16384, 49152
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for kernel in (GoldKernel, DenseKernel):
+        assert block_positions(kernel, n, v, 4, cpu) == (64 << 20) // (4 * v * 4) == 85
+        for itemsize in (4, 2):  # fp32 and bf16 logits
+            p = block_positions(kernel, n, v, itemsize, cuda)
+            budget = BLOCK_MEMORY_SHARE * n * v * itemsize
+            fits = int(budget // (4 * v * kernel.block_buffers))  # largest block in the share
+            assert fits * 4 * v * kernel.block_buffers <= budget
+            assert budget < (fits + 1) * 4 * v * kernel.block_buffers
+            assert p == max(85, fits)
+        assert block_positions(kernel, 100, v, 4, cuda) == 1  # the CPU rule's 1/128 share
+    assert block_positions(GoldKernel, n, v, 4, cuda) == 264
+    assert block_positions(DenseKernel, n, v, 4, cuda) == 133
+    for kernel in (ColumnsKernel, NoKernel):
+        assert block_positions(kernel, n, v, 4, cuda) == block_positions(kernel, n, v, 4, cpu) \
+            == (64 << 20) // (4 * v)

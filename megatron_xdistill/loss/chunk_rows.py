@@ -74,6 +74,13 @@ class ChunkRows:
         off = self.block_local_off
         return self.block_local[off[index]: off[index + 1]]
 
+    def all_local(self, index: int) -> bool:
+        """Whether every row of block ``index`` is held whole by this rank (then
+        :meth:`local_of_block` is all its rows in order: no selection needed). Known on the
+        host: no device wait."""
+        off, blk = self.block_local_off, self.blocks[index]
+        return off[index + 1] - off[index] == blk.row_end - blk.row_start
+
     def split_of_block(self, index: int) -> torch.Tensor:
         """Block ``index``'s rows split over CP, relative to its first row."""
         off = self.block_split_off

@@ -258,6 +258,10 @@ class DenseKernel:
     """
 
     per_block = True
+    #: fp32 [block, V_local] temporaries at a block's peak: the growth of the extra memory per
+    #: block buffer, measured on one H200 (16k tokens, V_s 49,152) between 682 and 2,730
+    #: positions a block (12.7 buffers at 85, with the call's fixed part)
+    block_buffers = 12.3
     #: rows of [rows, V_t] teacher log-probs read at a time for the per-row teacher terms (CPU:
     #: a cache-sized slice, in reused buffers)
     TEACHER_ROWS = 32
@@ -353,6 +357,8 @@ class GoldKernel:
     """Gold / H-KL: KL on the common vocabulary + L1 of the sorted uncommon remainders."""
 
     per_block = True
+    #: fp32 [block, V_local] temporaries at a block's peak (measured as DenseKernel's; 6.4 at 85)
+    block_buffers = 6.2
 
     def __init__(self, payload: TeacherPayload, common_student: torch.Tensor, vocab_start: int,
                  num_real: int, num_uncommon: int, beta: float, tp_group: Group) -> None:

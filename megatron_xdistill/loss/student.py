@@ -40,6 +40,34 @@ from .workspace import scratch
 BLOCK_BYTES = 64 * 1024 * 1024
 
 
+#: Accelerators: the share of the logits' bytes that the per-block kernels' buffers may take.
+BLOCK_MEMORY_SHARE = 0.10
+
+
+def block_positions(kernel_class: type, num_positions: int, v_local: int, logits_itemsize: int,
+                    device: torch.device) -> int:
+    """Default positions per block: how finely a call is cut (the memory / launches trade).
+
+    CPU (and the kernels that keep one [block, V] buffer): ``BLOCK_BYTES`` of fp32 and at most
+    1/32 of the positions; the per-block kernels (all of V_t, gold / H-KL: several [rows, V]
+    temporaries a block) a quarter of that and at most 1/128 of the positions: cache-sized
+    blocks, the rule the CPU tables of ``benchmarks/bench_loss.py`` were measured with.
+
+    Accelerators, per-block kernels: as many positions as keep their ``block_buffers`` fp32
+    [block, V_local] temporaries within ``BLOCK_MEMORY_SHARE`` of the logits, and never fewer
+    than the CPU rule. A GPU runs these forms launch-bound (~100 operations a block): on one
+    H200 (16k tokens, V_s 49,152, fp32) gold took 378 ms at 85 positions a block and 113 ms at
+    682, the exact form 403 and 249 ms, while their extra memory grew 6 and 12 block buffers.
+    """
+    v = max(v_local, 1)
+    shrink = 4 if kernel_class.per_block else 1
+    cpu_rule = max(1, min(BLOCK_BYTES // (4 * v * shrink), -(-num_positions // (32 * shrink))))
+    if torch.device(device).type == "cpu" or not kernel_class.per_block:
+        return cpu_rule
+    budget = BLOCK_MEMORY_SHARE * num_positions * v * logits_itemsize
+    return max(cpu_rule, int(budget // (4 * v * kernel_class.block_buffers)))
+
+
 @dataclass
 class KDTerms:
     """Local sums of one microbatch on one rank (divide by counts summed over DP x CP).
@@ -281,9 +309,11 @@ class _Plan:
         dev = next(iter(raw.values())).device
         if sel.numel() == 0:
             return torch.zeros(2, dtype=torch.float64, device=dev)
-        keys = rows.keys[blk.row_start: blk.row_end][sel]
-        counts = rows.count[blk.row_start: blk.row_end][sel]
-        kl, t1 = self.kernel.kl(_take(raw, sel), keys, counts)
+        keys = rows.keys[blk.row_start: blk.row_end]
+        counts = rows.count[blk.row_start: blk.row_end]
+        if not rows.all_local(index):  # else all rows, in order: no [rows, V] copies
+            raw, keys, counts = _take(raw, sel), keys[sel], counts[sel]
+        kl, t1 = self.kernel.kl(raw, keys, counts)
         return torch.stack([kl.double().sum(), t1.double().sum()])
 
     def _finish_split(self, buf: Raw | None, like: torch.Tensor) -> torch.Tensor:
@@ -431,13 +461,15 @@ class _Plan:
         if g_all is not None:
             return {k: v[blk.row_start: blk.row_end] for k, v in g_all.items()}
         raw = kernel.raw(data)  # per-block kernels: recompute, then the KL's gradient
+        keys = rows.keys[blk.row_start: blk.row_end]
+        counts = rows.count[blk.row_start: blk.row_end]
+        if rows.all_local(data.index):  # all rows, in order: no [rows, V] copies
+            return self._grad_of(raw, keys, counts, g_kd)
         out = {k: torch.zeros_like(v) for k, v in raw.items()}
         slot = rows.split_slot[blk.row_start: blk.row_end]
         local = rows.local_of_block(data.index)
         if local.numel():
-            keys = rows.keys[blk.row_start: blk.row_end][local]
-            counts = rows.count[blk.row_start: blk.row_end][local]
-            g = self._grad_of(_take(raw, local), keys, counts, g_kd)
+            g = self._grad_of(_take(raw, local), keys[local], counts[local], g_kd)
             for k in out:
                 out[k][local] = g[k]
         split = rows.split_of_block(data.index)
@@ -503,8 +535,8 @@ def parallel_kd_loss(
     :class:`ProjectionShard`). Gold / H-KL take ``common_student_ids`` (the student side of
     ``ProjectionMatrix.common_vocab("strict" | "xtoken")``, in pair order). ``labels`` [B, T_local]
     (next-token ids, < 0 = none) adds the fused CE. With ``payload=None`` only CE is computed.
-    ``block_bytes``: the size of one block's fp32 [block, V_local] buffer (None: 64 MiB and
-    at most 1/32 of the positions, a quarter of that for the exact and gold forms).
+    ``block_bytes``: the size of one block's fp32 [block, V_local] buffer (a quarter of it for
+    the exact and gold forms); None: :func:`block_positions`.
     ``reverse``: KL(student || teacher); ``jsd_beta``: GKD's generalized JSD (0 forward KL,
     1 reverse KL; :func:`~megatron_xdistill.loss.formulas.divergence`). ``sample_weights``
     [B]: each sample's chunks count that many times in the KD sum (reward weighting; the chunk
@@ -520,21 +552,18 @@ def parallel_kd_loss(
     tp_rank = group_rank(tp_group)
     vocab_start = tp_rank * v_local
     num_real = max(0, min(v_local, student_vocab_size - vocab_start))
-    # Blocks of whole chunks of about block_bytes (same length on every TP rank), and at most
-    # 1/32 of the positions, so the scratch buffers stay a small share of the logits. Kernels
-    # that finish their rows per block (all of V_t, gold / H-KL) hold several [rows, V]
-    # temporaries per block: a quarter of that, and at most 1/128 of the positions.
-    # With the fused dense passes (row_softmax: CE and the column forms, on a GPU) a block
-    # holds no [rows, V] buffer when the gradient can be written in place (no padded
-    # columns): the whole call is one block.
+    # Blocks of whole chunks (same length on every TP rank); see block_positions. With the
+    # fused dense passes (row_softmax: CE and the column forms, on a GPU) a block holds no
+    # [rows, V] buffer when the gradient can be written in place (no padded columns): the
+    # whole call is one block.
     kernel_class = NoKernel if payload is None else kernel_class_for(mode, payload.spec.form)
     fused = (kernel_class in (NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
              and student_logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    shrink = 4 if kernel_class.per_block else 1
-    if block_bytes is None:  # the default: BLOCK_BYTES, and the share of the positions
-        max_block = max(1, min(BLOCK_BYTES // (4 * max(v_local, 1) * shrink),
-                               -(-b * t // (32 * shrink))))
+    if block_bytes is None:
+        max_block = block_positions(kernel_class, b * t, v_local, student_logits.element_size(),
+                                    dev)
     else:  # as asked (tests, the block-size benchmark): no share of the positions
+        shrink = 4 if kernel_class.per_block else 1
         max_block = max(1, block_bytes // (4 * max(v_local, 1) * shrink))
     padded = student_vocab_size < group_size(tp_group) * v_local  # some shard has padding
     if fused and not padded:
@@ -572,4 +601,4 @@ def _longest(rows: ChunkRows) -> int:
     return max((blk.end - blk.start for blk in rows.blocks), default=0)
 
 
-__all__ = ["BLOCK_BYTES", "KDTerms", "parallel_kd_loss"]
+__all__ = ["BLOCK_BYTES", "BLOCK_MEMORY_SHARE", "KDTerms", "block_positions", "parallel_kd_loss"]
