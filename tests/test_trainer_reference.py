@@ -93,6 +93,8 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
     from megatron_xdistill.loss.reference import kd_loss_details
 
     w, matrix = _sparse_projection(root / "proj.safetensors")
+    kd = dict(kd)
+    skip_split = kd.pop("skip_student_split", False)
     mode = kd.get("mode", "pkl")
     if mode != "pkl":
         kd = {**kd, "common": matrix.common_vocab("strict" if mode == "gold" else "xtoken")}
@@ -108,10 +110,12 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
     kd_sums, counts = [], []
     for b in range(GBS):
         one = slice(b, b + 1)
+        valid = batch["chunk_valid"][one]
+        if skip_split:
+            valid = valid & ~_student_split_dense(batch, b)[None]
         details = kd_loss_details(
             _padded(s_logits[one]), _padded(t_logits[one]), batch["student_chunk_id"][one],
-            batch["teacher_chunk_id"][one], batch["chunk_valid"][one], batch["chunk_exact"][one],
-            w, **kd)
+            batch["teacher_chunk_id"][one], valid, batch["chunk_exact"][one], w, **kd)
         kd_sums.append(details.per_chunk.sum() * (1.0 if sample_weights is None
                                                     else sample_weights[b]))
         counts.append(details.counted.sum().double())
@@ -127,6 +131,13 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
             ce_mean = ce_sum[part].sum() / tokens_per_sample[part].sum()
             loss = loss + (ce_mean / kd_mean).detach() * kd_sum[part].sum() / n_chunks
     return loss, kd_sum.sum().item() / n_chunks, ce_sum.sum().item() / n_tokens
+
+
+def _student_split_dense(batch: dict, b: int) -> torch.Tensor:
+    """[C] sample b's chunks with more student than teacher tokens, chunk by chunk."""
+    s_ids, t_ids = batch["student_chunk_id"][b], batch["teacher_chunk_id"][b]
+    return torch.tensor([int((s_ids == c).sum()) > int((t_ids == c).sum())
+                         for c in range(batch["chunk_valid"].shape[1])])
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +171,9 @@ FORMS = {
     "pkl_chunk_top16_reverse_t2": (1, ["--kd-reverse", "--kd-temperature", "2"],
                                    {"chunk_topk": 16, "reverse": True, "temperature": 2.0}),
     "pkl_chunk_top16_gkd_jsd": (1, ["--gkd-beta", "0.5"], {"chunk_topk": 16, "jsd_beta": 0.5}),
+    "pkl_chunk_top16_skip_student_split": (
+        2, ["--kd-skip-student-split-chunks", "--context-parallel-size", "2"],
+        {"chunk_topk": 16, "skip_student_split": True}),
     "gold_student_tp2_cp2_teacher_tp2": (
         4, ["--kd-loss", "gold", *TP2_CP2, "--teacher-tensor-model-parallel-size", "2"],
         {"mode": "gold"}),
@@ -186,6 +200,18 @@ def test_first_step_losses_equal_the_dense_reference_on_hf_logits(e2e_setup, fir
     assert want_kd > 0.02  # a divergence that is not ~0, so the relative tolerance means something
     assert got_kd == pytest.approx(want_kd, rel=RTOL), name
     assert got_ce == pytest.approx(want_ce, rel=RTOL), name
+
+
+def test_student_split_chunks_are_those_the_student_spells_in_more_tokens(first_batch):
+    """The chunks --kd-skip-student-split-chunks leaves out: the reference's chunk-by-chunk
+    count, and the first batch holds some (so the run above leaves something out)."""
+    from megatron_xdistill.loss import student_split_chunks
+
+    got = student_split_chunks(first_batch["student_chunk_id"], first_batch["teacher_chunk_id"],
+                               first_batch["chunk_valid"].shape[1])
+    want = torch.stack([_student_split_dense(first_batch, b) for b in range(GBS)])
+    assert torch.equal(got, want)
+    assert int((got & first_batch["chunk_valid"].bool()).sum()) > 0
 
 
 def test_bf16_run_trains_near_the_fp32_reference(e2e_setup, first_batch, pools):

@@ -74,7 +74,7 @@ from .reference import kd_loss
 from .shard import ProjectionShard
 from .student import BLOCK_BYTES, KDTerms, parallel_kd_loss
 from .teacher import payload_spec, teacher_payload
-from .total import combined_loss, counted_chunks, global_sums, total_loss
+from .total import combined_loss, counted_chunks, global_sums, student_split_chunks, total_loss
 
 __all__ = [
     "BLOCK_BYTES",
@@ -87,6 +87,7 @@ __all__ = [
     "combined_loss",
     "common_vocab_from_dense",
     "counted_chunks",
+    "student_split_chunks",
     "global_sums",
     "kd_loss",
     "parallel_kd_loss",

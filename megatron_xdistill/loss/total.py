@@ -37,6 +37,23 @@ def counted_chunks(student_chunk_id: torch.Tensor, teacher_chunk_id: torch.Tenso
     return out
 
 
+def student_split_chunks(student_chunk_id: torch.Tensor, teacher_chunk_id: torch.Tensor,
+                         num_chunks: int) -> torch.Tensor:
+    """[B, C] chunks that the student spells in more tokens than the teacher, from the
+    full-sequence *unshifted* chunk ids (e.g. student 'de' + 'f' against teacher 'def').
+
+    P-KL cannot fit them: the teacher's mass sits on its one token, which no student token of
+    the chunk projects to (W maps a student token to the teacher tokens that spell it), so
+    their KL stays high and its gradient favours other spellings of the text than the
+    student's own."""
+    def lengths(ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(ids.shape[0], num_chunks + 1, dtype=torch.int64, device=ids.device)
+        slot = torch.where(ids >= 0, ids, num_chunks).to(torch.int64)
+        return out.scatter_add_(1, slot, torch.ones_like(slot))[:, :num_chunks]
+
+    return lengths(student_chunk_id) > lengths(teacher_chunk_id)
+
+
 def global_sums(terms: KDTerms, dp_cp_group: Group) -> dict[str, torch.Tensor]:
     """This microbatch's sums over the DP x CP group (detached; one all-reduce)."""
     return _global_sums_of_all([terms], dp_cp_group)[0]

@@ -50,6 +50,7 @@ _FLAG_OF = {
     "kd_temperature": "kd_temperature",
     "kd_reverse": "kd_reverse",
     "gkd_beta": "gkd_beta",
+    "kd_skip_student_split_chunks": "kd_skip_student_split_chunks",
     "weight": "kd_weight",
     "ranks": "teacher_ranks",
     "cache": "teacher_cache",
@@ -58,7 +59,8 @@ _TYPES = {"load": str, "tokenizer_model": str, "projection_path": str,
           "tensor_model_parallel_size": int, "pipeline_model_parallel_size": int,
           "context_parallel_size": int, "sequence_parallel": bool, "seq_length": int,
           "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_temperature": float,
-          "kd_reverse": bool, "gkd_beta": float, "weight": float, "ranks": int, "cache": str}
+          "kd_reverse": bool, "gkd_beta": float, "kd_skip_student_split_chunks": bool,
+          "weight": float, "ranks": int, "cache": str}
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class TeacherSpec:
     kd_temperature: float
     kd_reverse: bool
     gkd_beta: float | None  # GKD's generalized JSD (None: forward or, with kd_reverse, reverse KL)
+    kd_skip_student_split_chunks: bool  # count no chunk the student spells in more tokens
     weight: float
     ranks: int | None = None  # disaggregated: how many ranks serve this teacher
     cache: str | None = None  # its teacher payload cache directory

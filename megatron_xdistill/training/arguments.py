@@ -190,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "(1 - beta) KL(Q || M), M = beta P + (1 - beta) Q (teacher P, student Q), as "
                    "TRL's GKD trainer: 0 is the forward KL, 1 the reverse KL (--kd-reverse). "
                    "Default: forward KL")
+    g.add_argument("--kd-skip-student-split-chunks", action="store_true",
+                   help="P-KL: count no chunk that the student spells in more tokens than the "
+                   "teacher (e.g. student 'de' + 'f', teacher 'def'). There the teacher's mass "
+                   "sits on a token that no student token projects to, so the KL cannot fall "
+                   "(pretrained pair of the quality study: 10%% of the chunks, 45%% of the KL) "
+                   "and its gradient pulls the student towards other spellings of the text")
     g.add_argument("--kd-weight", type=float, default=1.0)
     g.add_argument("--ce-weight", type=float, default=1.0,
                    help="L = kd_weight * KD + ce_weight * CE. Default 1 (KD + CE) from the "
@@ -209,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distil from several teachers: a YAML list under 'teachers', each with "
                    "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
                    "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
-                   "kd_reverse, gkd_beta, weight, ranks and cache (unset keys: the --teacher-* / --kd-* "
+                   "kd_reverse, gkd_beta, kd_skip_student_split_chunks, weight, ranks and cache "
+                   "(unset keys: the --teacher-* / --kd-* "
                    "flags). A teacher with the student's tokenizer takes a direct token-level "
                    "KL (no projection). Colocated: the teachers run one after the other on every "
                    "rank; disaggregated: each on its own 'ranks' (after the student's), all "

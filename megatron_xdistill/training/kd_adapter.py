@@ -18,6 +18,7 @@ from megatron_xdistill.loss import (
     parallel_kd_loss,
     payload_spec,
     predicting_chunk_id,
+    student_split_chunks,
     teacher_payload,
 )
 from megatron_xdistill.loss.collectives import all_reduce
@@ -160,10 +161,19 @@ class KDObjective:
         """Chunks the KD loss counts in a (full-sequence) batch: for the global denominator.
         ``samples`` (bool [B]): only those samples' chunks."""
         counted = counted_chunks(batch["student_chunk_id"], batch["teacher_chunk_id"],
-                                 batch["chunk_valid"], batch["chunk_exact"])
+                                 self.chunk_valid(batch), batch["chunk_exact"])
         if samples is not None:
             counted = counted[samples.to(counted.device)]
         return int(counted.sum())
+
+    def chunk_valid(self, batch: dict) -> torch.Tensor:
+        """[B, C] the chunks the KD loss may count: the batch's valid chunks, less those the
+        student spells in more tokens than the teacher under ``kd_skip_student_split_chunks``."""
+        valid = batch["chunk_valid"]
+        if not self.teacher_spec.kd_skip_student_split_chunks:
+            return valid
+        return valid & ~student_split_chunks(batch["student_chunk_id"], batch["teacher_chunk_id"],
+                                             valid.shape[1]).to(valid.device)
 
     def labels(self, batch: dict) -> torch.Tensor:
         """Next-token labels (-1 where the loss mask is 0), this CP rank's slice."""
@@ -185,7 +195,7 @@ class KDObjective:
             pred = predicting_chunk_id(batch["student_chunk_id"])[:, :width]
             pred = groups.cp_local(pred)
         return parallel_kd_loss(
-            logits, payload, pred, batch["chunk_valid"], batch["chunk_exact"], self.shard,
+            logits, payload, pred, self.chunk_valid(batch), batch["chunk_exact"], self.shard,
             student_vocab_size=self.student_vocab, mode=self.mode,
             temperature=self.teacher_spec.kd_temperature, reverse=self.teacher_spec.kd_reverse,
             jsd_beta=self.teacher_spec.gkd_beta,
