@@ -79,10 +79,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--chars", type=int, default=1500, help="characters per document")
     parser.add_argument("--topk", type=int, default=64, help="the chunk top-k payload's k")
+    parser.add_argument("--projection", default=None, help="W's file (default: the demo's, "
+                        "built with xdistill-projection's defaults)")
     args = parser.parse_args(argv)
 
     student_hf, teacher_hf = fetch_model(args.student), fetch_model(args.teacher)
-    w, vs, vt = _sparse_projection(build_projection(args.student, args.teacher, student_hf,
+    w, vs, vt = _sparse_projection(Path(args.projection) if args.projection else
+                                   build_projection(args.student, args.teacher, student_hf,
                                                     teacher_hf))
     aligner = TokenAligner(load_tokenizer(student_hf), load_tokenizer(teacher_hf))
     models = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
