@@ -7,7 +7,8 @@ several pieces (student 'de' + 'f', teacher 'def'): the teacher's mass sits on a
 student token projects to, since W maps a student token to the teacher tokens that spell it.
 Such a chunk's KL cannot fall, and its gradient favours other spellings of the text than the
 student's own. This prints, per shape: the share of the chunks, the mean KL (chunk top-k + tail
-payload and the exact form over all of V_t), the top-1 agreement and the share of the KL. It
+payload and the exact form over all of V_t), the top-1 agreement, the share of the KL and the
+teacher's mass out of the student's reach. It
 runs on HF transformers logits of both models (``loss.reference``, the dense reference), over
 the first characters of each held-out document:
 
@@ -17,16 +18,18 @@ the first characters of each held-out document:
 Measured 2026-11-27 (SmolLM2-135M student, Qwen2.5-Coder-0.5B teacher, 6 CPython stdlib
 held-out modules, 1,500 characters each: 2,427 student tokens, 2,030 counted chunks):
 
-  shape   chunks   share   KL top-64   KL exact   top-1   share of the KL
-  1:1       1631   80.3%       2.021      2.144   54.4%             49.7%
-  1:2         36    1.8%      -0.019     -0.012    8.3%             -0.0%
-  2:1        205   10.1%      15.166     15.411    4.9%             44.9%
-  2:2        129    6.4%       0.113      0.117    0.8%              0.2%
-  2:3          1    0.0%      -0.012     -0.006  100.0%             -0.0%
-  3:1         26    1.3%      13.656     13.808    0.0%              5.1%
-  3:2          2    0.1%       0.005      0.006    0.0%              0.0%
+  shape  chunks  share  KL top-64  KL exact   top-1  share of the KL  teacher mass outside W
+  1:1      1631  80.3%      2.021     2.144   54.4%            49.7%                    5.9%
+  1:2        36   1.8%     -0.019    -0.012    8.3%            -0.0%                    0.1%
+  2:1       205  10.1%     15.166    15.411    4.9%            44.9%                   65.0%
+  2:2       129   6.4%      0.113     0.117    0.8%             0.2%                    0.1%
+  2:3         1   0.0%     -0.012    -0.006  100.0%            -0.0%                    0.1%
+  3:1        26   1.3%     13.656    13.808    0.0%             5.1%                   61.6%
+  3:2         2   0.1%      0.005     0.006    0.0%             0.0%                    0.1%
 
-(Shapes of 3 or more tokens on a side are counted as 3. Chunks whose teacher side has more
+"Teacher mass outside W": the chunk's teacher probability on teacher tokens that no student
+token projects to (W's image excludes them), which no student can match. (Shapes of 3 or more
+tokens on a side are counted as 3. Chunks whose teacher side has more
 tokens hold a chunk-mean of teacher log-probs, left unnormalised as in NeMo-RL: their KL is ~0.)
 Hence ``--kd-skip-student-split-chunks``.
 """
@@ -90,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     aligner = TokenAligner(load_tokenizer(student_hf), load_tokenizer(teacher_hf))
     models = [AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
               for p in (student_hf, teacher_hf)]
+    in_image = torch.zeros(vt, dtype=torch.bool)
+    in_image[w.indices()[1]] = True  # teacher columns some student token projects to
+    outside = defaultdict(list)  # shape -> the teacher's chunk mass outside W's image
     kl = defaultdict(lambda: defaultdict(list))  # payload -> shape -> [(kl, top1)]
     tokens = 0
     with open(args.data_path) as fh:
@@ -102,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
         with torch.no_grad():
             zs = models[0](s_ids).logits[..., :vs]
             zt = models[1](t_ids).logits[..., :vt]
+        logp_t = torch.log_softmax(zt[0].float(), -1)
+        for a, b, p, q, _ in al.chunks_array.tolist():
+            if p >= 1 and q > p:  # predicting positions p-1 .. q-2 (as loss.reference)
+                mean = logp_t[p - 1: q - 1].mean(0).exp()
+                outside[f"{min(b - a, 3)}:{min(q - p, 3)}"].append(float(mean[~in_image].sum()))
         valid = torch.ones(1, len(al.chunks_array), dtype=torch.bool)
         exact = torch.as_tensor(al.chunks_array[:, 4])[None].bool()
         for name, payload in ((f"top-{args.topk}", {"chunk_topk": args.topk}), ("exact", {})):
@@ -118,12 +129,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{args.student} <- {args.teacher}: {len(docs)} documents, {tokens} student tokens, "
           f"{n} counted chunks")
     print(f"{'shape':<6} {'chunks':>7} {'share':>7} {'KL top-' + str(args.topk):>10} "
-          f"{'KL exact':>9} {'top-1':>6} {'share of the KL':>16}")
+          f"{'KL exact':>9} {'top-1':>6} {'share of the KL':>16} {'teacher mass outside W':>23}")
     for shape in sorted(exact_kl):
         rows = exact_kl[shape]
         print(f"{shape:<6} {len(rows):>7} {len(rows) / n:>7.1%} "
               f"{np.mean([x for x, _ in top[shape]]):>10.3f} {np.mean([x for x, _ in rows]):>9.3f} "
-              f"{np.mean([t for _, t in rows]):>6.1%} {sum(x for x, _ in rows) / total:>16.1%}")
+              f"{np.mean([t for _, t in rows]):>6.1%} {sum(x for x, _ in rows) / total:>16.1%} "
+              f"{np.mean(outside[shape]) if outside[shape] else float('nan'):>23.1%}")
 
 
 if __name__ == "__main__":
