@@ -319,6 +319,23 @@ def run(cfg: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace) -> str:
+    """Positions per block of the blockwise forms (the exact and gold ones; "-" for the others,
+    which a GPU runs as one fused block)."""
+    import torch
+
+    from megatron_xdistill.loss.kernels import DenseKernel, GoldKernel
+    from megatron_xdistill.loss.student import block_positions
+
+    kernel = {"KD full": DenseKernel, "KD gold": GoldKernel}.get(name)
+    if kernel is None:
+        return "-"
+    if args.block_mib is not None:  # as parallel_kd_loss takes block_bytes: a quarter of it
+        return str(max(1, (args.block_mib << 20) // (4 * vs * 4)))
+    itemsize = 2 if args.dtype == "bfloat16" else 4
+    return str(block_positions(kernel, tokens, vs, itemsize, torch.device(args.device)))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
@@ -344,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     port = 29000 + os.getpid() % 1000
     clock = "wall_s" if args.device.startswith("cuda") else "cpu_s"
     head = (f"{'tokens':>6} {'V_s':>7} {'method':<16} {'wall s':>7} {'cpu s':>7} {'x CE':>5} "
-            f"{'extra GiB':>9} {'net of grad':>11} {'% logits':>8}")
+            f"{'extra GiB':>9} {'net of grad':>11} {'% logits':>8} {'pos/block':>9}")
     print(f"V_t={args.vt} topk={args.topk} dtype={args.dtype} threads={args.threads} "
           f"block={'default' if args.block_mib is None else f'{args.block_mib} MiB'}{' +CE' if args.with_ce else ''}")
     print(head)
@@ -363,7 +380,8 @@ def main(argv: list[str] | None = None) -> None:
                 net = r["extra_gib"] - r["grad_gib"]
                 print(f"{tokens:>6} {vs:>7} {name:<16} {r['wall_s']:>7.3f} {r['cpu_s']:>7.3f} "
                       f"{r[clock] / ce[clock]:>5.2f} {r['extra_gib']:>9.3f} {net:>11.3f} "
-                      f"{100 * net / r['logits_gib']:>7.1f}%", flush=True)
+                      f"{100 * net / r['logits_gib']:>7.1f}% "
+                      f"{_positions_a_block(name, tokens, vs, args):>9}", flush=True)
             for name, r in rows:
                 if r.get("profile"):
                     print(f"\n{name}, {tokens} tokens, V_s {vs}: one forward + backward\n"
