@@ -199,8 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kd-weight", type=float, default=1.0,
                    help="weight of the KD term (see --ce-weight). On the quality study's "
                    "pretrained pair (SmolLM2-135M fine-tuned on code, Qwen2.5-Coder-0.5B "
-                   "teacher; one seed so far) 1 trailed CE-only by 0.009 bits/byte and 0.3 "
-                   "tied it: with a pretrained student try 0.3")
+                   "teacher; one seed so far) 1 trailed CE-only by 0.009 bits/byte, 0.3 and "
+                   "0.1 tied it: with a pretrained student try 0.1-0.3")
     g.add_argument("--ce-weight", type=float, default=1.0,
                    help="L = kd_weight * KD + ce_weight * CE. Default 1 (KD + CE) from the "
                    "quality study (examples/cross_tokenizer_distillation, 3 seeds, 1M student "
