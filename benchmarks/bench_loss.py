@@ -330,10 +330,10 @@ def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace
     kernel = {"KD full": DenseKernel, "KD gold": GoldKernel}.get(name)
     if kernel is None:
         return "-"
-    if args.block_mib is not None:  # as parallel_kd_loss takes block_bytes: a quarter of it
-        return str(max(1, (args.block_mib << 20) // (4 * vs * 4)))
     itemsize = 2 if args.dtype == "bfloat16" else 4
-    return str(block_positions(kernel, tokens, vs, itemsize, torch.device(args.device)))
+    block_bytes = None if args.block_mib is None else args.block_mib << 20
+    return str(block_positions(kernel, tokens, vs, itemsize, torch.device(args.device),
+                               block_bytes))
 
 
 def main(argv: list[str] | None = None) -> None:

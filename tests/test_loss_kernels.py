@@ -164,6 +164,7 @@ def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_it
         assert block_positions(kernel, 100, v, 4, cuda) == 1  # the CPU rule's 1/128 share
     assert block_positions(GoldKernel, n, v, 4, cuda) == 264
     assert block_positions(DenseKernel, n, v, 4, cuda) == 133
+    assert block_positions(GoldKernel, n, v, 4, cuda, 512 << 20) == 682  # as asked, a quarter
     for kernel in (ColumnsKernel, NoKernel):
         assert block_positions(kernel, n, v, 4, cuda) == block_positions(kernel, n, v, 4, cpu) \
             == (64 << 20) // (4 * v)

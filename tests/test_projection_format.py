@@ -122,6 +122,9 @@ def test_to_dense_and_teacher_major_csr_agree():
             rebuilt[t, scol[j]] = wt[j]
         assert torch.all(scol[crow[t] : crow[t + 1]].diff() > 0)  # ascending student ids
     assert torch.equal(rebuilt, dense.T)
+    sparse = m.to_sparse()
+    assert sparse.is_coalesced() and sparse.shape == (4, 5)
+    assert torch.equal(sparse.to_dense(), dense[:4, :5])
     with pytest.raises(ValueError):
         m.to_dense(padded_student_vocab=3)
 

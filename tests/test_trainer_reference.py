@@ -64,13 +64,7 @@ def _sparse_projection(path: Path) -> tuple[torch.Tensor, object]:
     from megatron_xdistill.projection import load_projection
 
     matrix = load_projection(str(path))
-    valid = matrix.indices >= 0
-    rows = torch.nonzero(valid, as_tuple=True)[0]
-    w = torch.sparse_coo_tensor(torch.stack([rows, matrix.indices[valid].long()]),
-                                matrix.weights[valid].float(),
-                                (matrix.student_vocab_size, matrix.teacher_vocab_size),
-                                check_invariants=True)
-    return w.coalesce(), matrix
+    return matrix.to_sparse(), matrix
 
 
 def _padded(logits: torch.Tensor) -> torch.Tensor:

@@ -49,12 +49,7 @@ def _sparse_projection(path: Path) -> tuple[torch.Tensor, int, int]:
     from megatron_xdistill.projection import load_projection
 
     matrix = load_projection(str(path))
-    valid = matrix.indices >= 0
-    rows = torch.nonzero(valid, as_tuple=True)[0]
-    w = torch.sparse_coo_tensor(torch.stack([rows, matrix.indices[valid].long()]),
-                                matrix.weights[valid].float(),
-                                (matrix.student_vocab_size, matrix.teacher_vocab_size))
-    return w.coalesce(), matrix.student_vocab_size, matrix.teacher_vocab_size
+    return matrix.to_sparse(), matrix.student_vocab_size, matrix.teacher_vocab_size
 
 
 def chunk_ids(chunks: np.ndarray, n_student: int, n_teacher: int

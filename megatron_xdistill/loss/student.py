@@ -45,8 +45,12 @@ BLOCK_MEMORY_SHARE = 0.10
 
 
 def block_positions(kernel_class: type, num_positions: int, v_local: int, logits_itemsize: int,
-                    device: torch.device) -> int:
-    """Default positions per block: how finely a call is cut (the memory / launches trade).
+                    device: torch.device, block_bytes: int | None = None) -> int:
+    """Positions per block: how finely a call is cut (the memory / launches trade).
+
+    ``block_bytes`` given (tests, the block-size benchmark): one block's fp32 [block, V_local]
+    buffer of that size (a quarter of it for the per-block kernels), taken as asked. Otherwise
+    the default:
 
     CPU (and the kernels that keep one [block, V] buffer): ``BLOCK_BYTES`` of fp32 and at most
     1/32 of the positions; the per-block kernels (all of V_t, gold / H-KL: several [rows, V]
@@ -61,6 +65,8 @@ def block_positions(kernel_class: type, num_positions: int, v_local: int, logits
     """
     v = max(v_local, 1)
     shrink = 4 if kernel_class.per_block else 1
+    if block_bytes is not None:
+        return max(1, block_bytes // (4 * v * shrink))
     cpu_rule = max(1, min(BLOCK_BYTES // (4 * v * shrink), -(-num_positions // (32 * shrink))))
     if torch.device(device).type == "cpu" or not kernel_class.per_block:
         return cpu_rule
@@ -559,12 +565,8 @@ def parallel_kd_loss(
     kernel_class = NoKernel if payload is None else kernel_class_for(mode, payload.spec.form)
     fused = (kernel_class in (NoKernel, ColumnsKernel) and row_softmax.enabled(dev)
              and student_logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
-    if block_bytes is None:
-        max_block = block_positions(kernel_class, b * t, v_local, student_logits.element_size(),
-                                    dev)
-    else:  # as asked (tests, the block-size benchmark): no share of the positions
-        shrink = 4 if kernel_class.per_block else 1
-        max_block = max(1, block_bytes // (4 * max(v_local, 1) * shrink))
+    max_block = block_positions(kernel_class, b * t, v_local, student_logits.element_size(),
+                                dev, block_bytes)
     padded = student_vocab_size < group_size(tp_group) * v_local  # some shard has padding
     if fused and not padded:
         max_block = b * t

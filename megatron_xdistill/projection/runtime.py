@@ -127,6 +127,14 @@ class ProjectionMatrix:
         dense.index_put_((rows, cols), vals, accumulate=True)
         return dense
 
+    def to_sparse(self) -> torch.Tensor:
+        """W as a coalesced sparse COO float32 tensor [V_s, V_t] (duplicates summed, as
+        :meth:`to_dense`): for dense references on real vocabularies."""
+        rows, cols, vals = self._coo()
+        return torch.sparse_coo_tensor(
+            torch.stack([rows, cols.long()]), vals.float(),
+            (self.student_vocab_size, self.teacher_vocab_size), check_invariants=True).coalesce()
+
     def teacher_major_csr(
         self, padded_teacher_vocab: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
