@@ -23,7 +23,7 @@ per-position label and block-row arithmetic done once per call, no TP reductions
   gold          182.3   103.9       1155    1052
   full          164.5    93.7       1335    1302
 
-GPU paths (``--gpu-paths``, CE fused), 2026-11-27: gold 98.8 -> 88.7 and full 93.3 -> 86.6
+GPU paths (``--gpu-paths``, CE fused), 2026-11-27 (commit 3b9a82e): gold 98.8 -> 88.7 and full 93.3 -> 86.6
 operations per block when a block's rows are all held by the rank (no CP split: the KL takes
 the block's raw sums as they are, no [rows, V] row selections or zero-filled gradients).
 
