@@ -302,9 +302,10 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
 
 
 def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
-             stamp: str, known: dict | None = None) -> dict:
+             stamp: str, known: dict | list[dict] | None = None) -> dict:
     """Held-out bits per byte (``megatron_xdistill.evaluation``; cached by model and settings,
-    also across machines through ``known``: the same evaluation in the published results)."""
+    also across machines and labels through ``known``: earlier evaluations, of which one with
+    the same model, held-out text and settings is taken instead of running it again)."""
     args = [*model_args, "--data-path", str(heldout), "--seq-length", str(cfg.eval.seq_length),
             "--micro-batch-size", str(cfg.eval.micro_batch_size), "--max-chars",
             str(cfg.eval.max_chars)]
@@ -312,8 +313,9 @@ def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
     out = work / "eval" / f"{label}.json"
     if out.is_file() and json.loads(out.read_text()).get("key") == key:
         return json.loads(out.read_text())
-    if known and known.get("key") == key:
-        return known
+    for earlier in known if isinstance(known, list) else [known]:
+        if earlier and earlier.get("key") == key:
+            return earlier
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     run_command([sys.executable, "-m", "megatron_xdistill.evaluation", *args, "--json", str(tmp),
@@ -394,10 +396,14 @@ def run_study(cfg) -> dict:
     for seed in cfg.seeds:  # seed-major: every variant of seed 1 first (early paired results)
         pair = pairs[seed]
         for name in heldouts:
+            # a pretrained student is the same model for every seed (the seed orders the data):
+            # another seed's evaluation of it is taken (the key compares checkpoint and settings)
+            earlier = [e for k, e in evals.items() if k.startswith("before-s")
+                       and k.endswith(f"/{name}")]
             evals[f"before-s{seed}/{name}"] = evaluate(
                 cfg, work, f"before-s{seed}-{name}",
                 ["--load", str(pair.student_ckpt), "--tokenizer-model", str(pair.student_hf)],
-                data[name], f"before:{pair.student_ckpt}", evals.get(f"before-s{seed}/{name}"))
+                data[name], f"before:{pair.student_ckpt}", earlier)
         for variant in cfg.variants_to_run:
             key = f"{variant}-s{seed}"
             settings = run_settings(cfg, variant, seed)
