@@ -149,7 +149,7 @@ four times its fp32 buffer):
 
 (The default-block rows of that session's bench_loss part: gold 535, full 341 ms.) Launch-bound
 at small blocks, ~1.6 ms (gold) and ~0.9 ms (full) a block; the extra memory grows 6.2 and 12.3
-block buffers. Hence the accelerator default of ``loss.student.block_positions``: the largest
+block buffers. Hence the accelerator default of ``loss.block_size.block_positions``: the largest
 block whose buffers stay within 10% of the logits (gold 264 positions, full 133 here, from 85).
 The profile at 85 positions: gold's GPU busy 154 ms of its 378 (torch.topk of 8,192 of the
 ~24k uncommon columns: 55 ms), full's 269 ms (the sparse projection and its transpose 91 ms,
@@ -324,8 +324,8 @@ def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace
     which a GPU runs as one fused block)."""
     import torch
 
+    from megatron_xdistill.loss.block_size import block_positions
     from megatron_xdistill.loss.kernels import DenseKernel, GoldKernel
-    from megatron_xdistill.loss.student import block_positions
 
     kernel = {"KD full": DenseKernel, "KD gold": GoldKernel}.get(name)
     if kernel is None:

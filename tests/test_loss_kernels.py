@@ -146,9 +146,9 @@ def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_it
     temporaries (``block_buffers`` fp32 [block, V] buffers) stay within BLOCK_MEMORY_SHARE of the
     logits, never smaller than the CPU rule; CPU and the column forms keep 64 MiB / 16 MiB
     blocks and their share of the positions."""
+    from megatron_xdistill.loss.block_size import BLOCK_MEMORY_SHARE, block_positions
     from megatron_xdistill.loss.kernel_choice import NoKernel
     from megatron_xdistill.loss.kernels import ColumnsKernel, DenseKernel, GoldKernel
-    from megatron_xdistill.loss.student import BLOCK_MEMORY_SHARE, block_positions
 
     n, v = 16384, 49152
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

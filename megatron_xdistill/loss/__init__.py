@@ -68,11 +68,12 @@ partial sums take one TP all-reduce (after all blocks for "topk"/"chunk_topk", p
 reduction (recomputed, not stored) and one [block] TP all-reduce (P-KL).
 """
 
+from .block_size import BLOCK_BYTES
 from .common import EPS, UNCOMMON_TOPK, common_vocab_from_dense, predicting_chunk_id
 from .payload import PayloadSpec, TeacherPayload
 from .reference import kd_loss
 from .shard import ProjectionShard
-from .student import BLOCK_BYTES, KDTerms, parallel_kd_loss
+from .student import KDTerms, parallel_kd_loss
 from .teacher import payload_spec, teacher_payload
 from .total import combined_loss, counted_chunks, global_sums, student_split_chunks, total_loss
 

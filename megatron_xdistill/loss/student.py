@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import row_softmax
+from .block_size import block_positions
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank, group_size
 from .common import UNCOMMON_TOPK, check_mode, divergence_beta
@@ -35,43 +36,6 @@ from .kernels import BlockData, ColumnsKernel, Raw
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 from .workspace import scratch
-
-#: Default size of one block's fp32 [block, V_local] buffer.
-BLOCK_BYTES = 64 * 1024 * 1024
-
-
-#: Accelerators: the share of the logits' bytes that the per-block kernels' buffers may take.
-BLOCK_MEMORY_SHARE = 0.10
-
-
-def block_positions(kernel_class: type, num_positions: int, v_local: int, logits_itemsize: int,
-                    device: torch.device, block_bytes: int | None = None) -> int:
-    """Positions per block: how finely a call is cut (the memory / launches trade).
-
-    ``block_bytes`` given (tests, the block-size benchmark): one block's fp32 [block, V_local]
-    buffer of that size (a quarter of it for the per-block kernels), taken as asked. Otherwise
-    the default:
-
-    CPU (and the kernels that keep one [block, V] buffer): ``BLOCK_BYTES`` of fp32 and at most
-    1/32 of the positions; the per-block kernels (all of V_t, gold / H-KL: several [rows, V]
-    temporaries a block) a quarter of that and at most 1/128 of the positions: cache-sized
-    blocks, the rule the CPU tables of ``benchmarks/bench_loss.py`` were measured with.
-
-    Accelerators, per-block kernels: as many positions as keep their ``block_buffers`` fp32
-    [block, V_local] temporaries within ``BLOCK_MEMORY_SHARE`` of the logits, and never fewer
-    than the CPU rule. A GPU runs these forms launch-bound (~100 operations a block): on one
-    H200 (16k tokens, V_s 49,152, fp32) gold took 378 ms at 85 positions a block and 113 ms at
-    682, the exact form 403 and 249 ms, while their extra memory grew 6 and 12 block buffers.
-    """
-    v = max(v_local, 1)
-    shrink = 4 if kernel_class.per_block else 1
-    if block_bytes is not None:
-        return max(1, block_bytes // (4 * v * shrink))
-    cpu_rule = max(1, min(BLOCK_BYTES // (4 * v * shrink), -(-num_positions // (32 * shrink))))
-    if torch.device(device).type == "cpu" or not kernel_class.per_block:
-        return cpu_rule
-    budget = BLOCK_MEMORY_SHARE * num_positions * v * logits_itemsize
-    return max(cpu_rule, int(budget // (4 * v * kernel_class.block_buffers)))
 
 
 @dataclass
@@ -603,4 +567,4 @@ def _longest(rows: ChunkRows) -> int:
     return max((blk.end - blk.start for blk in rows.blocks), default=0)
 
 
-__all__ = ["BLOCK_BYTES", "BLOCK_MEMORY_SHARE", "KDTerms", "block_positions", "parallel_kd_loss"]
+__all__ = ["KDTerms", "parallel_kd_loss"]

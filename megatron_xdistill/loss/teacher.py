@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from .block_size import BLOCK_BYTES
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
 from .common import TINY, UNCOMMON_TOPK
 from .payload import PayloadSpec, TeacherPayload
-from .student import BLOCK_BYTES
 
 
 def payload_spec(form: str, num_chunks: int, teacher_vocab_size: int, topk: int | None = None,
