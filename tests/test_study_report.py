@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"
                        / "cross_tokenizer_distillation"))
 import study  # noqa: E402
+import study_report  # noqa: E402
 
 
 def _results(bpb: dict[str, list[float]], teacher: float = 1.0) -> dict:
@@ -28,26 +29,26 @@ def _results(bpb: dict[str, list[float]], teacher: float = 1.0) -> dict:
 
 
 def test_a_consistent_gain_beyond_the_spread_is_real():
-    rows = study.verdicts(_results({"ce": [2.00, 2.02, 2.01], "pkl": [1.90, 1.92, 1.91],
-                                    "gold": [1.99, 2.03, 2.00]}))
+    rows = study_report.verdicts(_results({"ce": [2.00, 2.02, 2.01], "pkl": [1.90, 1.92, 1.91],
+                                           "gold": [1.99, 2.03, 2.00]}))
     pkl, gold = rows
     assert pkl["variant"] == "pkl" and pkl["seeds"] == 3
     assert pkl["diff"] == pytest.approx(-0.10) and pkl["diff_std"] == pytest.approx(0.0, abs=1e-12)
     assert pkl["spread"] == pytest.approx(0.01) and pkl["real"]
     assert pkl["seeds_better"] == 3
-    assert study._verdict(pkl) == "better than CE-only"
+    assert study_report._verdict(pkl) == "better than CE-only"
     # closes 0.10 of the 1.01 bits/byte between CE-only and the teacher
     assert pkl["gap_closed"] == pytest.approx(0.10 / 1.01)
     assert gold["diff"] == pytest.approx(-0.0033333, abs=1e-6) and not gold["real"]
     # paired: differences -0.01, +0.01, -0.01 -> better on 2 of 3, t = mean / (std / sqrt(3))
     assert gold["seeds_better"] == 2 and gold["paired_t"] == pytest.approx(-0.5, abs=1e-3)
-    assert study._verdict(gold) == "within seed noise"
+    assert study_report._verdict(gold) == "within seed noise"
 
 
 def test_worse_is_called_worse_and_one_seed_is_never_real():
-    rows = study.verdicts(_results({"ce": [2.0, 2.01, 2.02], "kd": [2.5, 2.51, 2.52]}))
-    assert rows[0]["real"] and study._verdict(rows[0]) == "worse than CE-only"
-    (row,) = study.verdicts(_results({"ce": [2.0], "kd": [1.0]}))
+    rows = study_report.verdicts(_results({"ce": [2.0, 2.01, 2.02], "kd": [2.5, 2.51, 2.52]}))
+    assert rows[0]["real"] and study_report._verdict(rows[0]) == "worse than CE-only"
+    (row,) = study_report.verdicts(_results({"ce": [2.0], "kd": [1.0]}))
     assert not row["real"] and math.isnan(row["spread"])
 
 
@@ -63,3 +64,27 @@ def test_run_settings_name_a_run_by_what_decides_its_result():
     assert study.run_settings(cfg, "gold", 1) != same
     assert study.run_settings(OmegaConf.merge(cfg, {"signal": {"lr": 5e-4}}), "pkl", 1) != same
     assert study.run_settings(OmegaConf.merge(cfg, {"kd": {"topk": 8}}), "pkl", 1) != same
+
+
+def test_the_report_is_rebuilt_from_a_results_file_alone(tmp_path):
+    """``study_report.py RESULTS OUT`` writes the tables from the numbers in the file: the mean
+    +- std row of each variant and its verdict against CE-only."""
+    import json
+    import subprocess
+
+    results = _results({"ce": [2.00, 2.02, 2.01], "pkl": [1.90, 1.92, 1.91]})
+    results["config"].update(experiment="real", kd={"topk": 64, "temperature": 1.0},
+                             real={"student": "s", "teacher": "t", "steps": 3,
+                                   "global_batch_size": 2, "seq_length": 8})
+    results["machine"] = {"cpu_count": 2, "torch": "x", "date": "d"}
+    for seed in (1, 2, 3):
+        results["runs"][f"ce-s{seed}"]["metrics"] = [{"iteration": 1, "eval_bpb": 2.0}]
+    source = tmp_path / "real.json"
+    source.write_text(json.dumps(results))
+    subprocess.run([sys.executable, str(Path(study_report.__file__)), str(source),
+                    str(tmp_path / "out")], check=True, capture_output=True)
+    report = (tmp_path / "out" / "REPORT-real.md").read_text()
+    assert "| pkl | 3 | 1.9100 +- 0.0100 |" in report
+    assert "| ce | 3 | 2.0100 +- 0.0100 |" in report
+    assert "| wiki | pkl | 3 | -0.1000 +- 0.0000 | 0.0200 | better than CE-only | 3/3 |" in report
+    assert (tmp_path / "out" / "study-real-curves.png").is_file()

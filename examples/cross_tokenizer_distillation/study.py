@@ -22,9 +22,7 @@ the seed spread, paired training curves) is rewritten from ``work_dir/results.js
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -37,6 +35,7 @@ for path in (REPO, HERE):
         sys.path.insert(0, str(path))
 
 from run import _digest, machine, say  # noqa: E402
+from study_report import write_report  # noqa: E402
 
 from megatron_xdistill.demo.workflow import (  # noqa: E402
     ModelPair,
@@ -422,174 +421,6 @@ def run_study(cfg) -> dict:
             _write_results(cfg, work, results)
     write_report(results, Path(cfg.report_dir).resolve())
     return results
-
-
-# --------------------------------------------------------------------------- report
-def _variants(results: dict) -> list[str]:
-    """Variants with runs in ``results``, in the config's order."""
-    done = {run["variant"] for run in results["runs"].values()}
-    return [v for v in results["config"]["variants"] if v in done]
-
-
-def _seeds(results: dict) -> list[int]:
-    return sorted({run["seed"] for run in results["runs"].values()})
-
-
-def summarize(results: dict) -> dict:
-    """Per held-out set and variant: bpb per seed, mean, std; paired difference to CE."""
-    heldouts = sorted({k.split("/")[1] for k in results["evals"]})
-    out: dict = {}
-    for name in heldouts:
-        table = {}
-        for variant in _variants(results):
-            values = {s: results["evals"][f"{variant}-s{s}/{name}"]["bits_per_byte"]
-                      for s in _seeds(results) if f"{variant}-s{s}/{name}" in results["evals"]}
-            if values:
-                table[variant] = values
-        before = [results["evals"][f"before-s{s}/{name}"]["bits_per_byte"]
-                  for s in _seeds(results) if f"before-s{s}/{name}" in results["evals"]]
-        others = {key.split("/")[0].removeprefix("teacher-"): value["bits_per_byte"]
-                  for key, value in results["evals"].items()
-                  if key.startswith("teacher-") and key.endswith(f"/{name}")}
-        out[name] = {"variants": table, "before": before, "other_teachers": others,
-                     "teacher": results["evals"][f"teacher/{name}"]["bits_per_byte"]}
-    return out
-
-
-def _mean_std(values) -> tuple[float, float]:
-    values = list(values)
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
-
-
-def verdicts(results: dict) -> list[dict]:
-    """Each distillation variant against CE-only on each held-out set (paired by seed): a
-    difference is real when |mean| exceeds twice the larger of the two seed spreads."""
-    rows = []
-    for name, summary in summarize(results).items():
-        table = summary["variants"]
-        ce = table.get("ce")
-        if not ce:
-            continue
-        for variant, values in table.items():
-            if variant == "ce":
-                continue
-            seeds = sorted(set(values) & set(ce))
-            diff = [values[s] - ce[s] for s in seeds]
-            if not diff:
-                continue
-            mean, std = _mean_std(diff)
-            spread = max(_mean_std(values[s] for s in seeds)[1], _mean_std(ce[s] for s in seeds)[1])
-            gap = statistics.fmean(ce[s] for s in seeds) - summary["teacher"]
-            paired_t = (mean / (std / math.sqrt(len(seeds)))
-                        if len(seeds) > 1 and std > 0 else math.nan)
-            rows.append({"heldout": name, "variant": variant, "seeds": len(seeds),
-                         "diff": mean, "diff_std": std, "spread": spread,
-                         "seeds_better": sum(d < 0 for d in diff), "paired_t": paired_t,
-                         "real": len(seeds) > 1 and abs(mean) > 2 * spread,
-                         "gap_closed": -mean / gap if gap > 0 else math.nan})
-    return rows
-
-
-def _verdict(row: dict) -> str:
-    if not row["real"]:
-        return "within seed noise"
-    return "better than CE-only" if row["diff"] < 0 else "worse than CE-only"
-
-
-def _plot(results: dict, out: Path) -> str | None:
-    """Paired training curves: in-training held-out bits/byte per variant (mean over seeds,
-    band = min..max)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg = results["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for variant in _variants(results):
-        curves = {}
-        train = {}
-        for run in results["runs"].values():
-            if run["variant"] != variant:
-                continue
-            for r in run["metrics"]:
-                if "eval_bpb" in r:
-                    curves.setdefault(r["iteration"], []).append(r["eval_bpb"])
-                if "ce" in r and "eval_bpb" not in r:
-                    train.setdefault(r["iteration"], []).append(r["ce"])
-        label = cfg["variants"][variant]["label"]
-        for ax, data in ((axes[0], curves), (axes[1], train)):
-            if not data:
-                continue
-            steps = sorted(data)
-            mean = [statistics.fmean(data[s]) for s in steps]
-            ax.plot(steps, mean, label=label)
-            ax.fill_between(steps, [min(data[s]) for s in steps], [max(data[s]) for s in steps],
-                            alpha=0.2)
-    axes[0].set(title="held-out bits/byte during training", xlabel="step", ylabel="bits/byte")
-    axes[1].set(title="training CE (nats/token)", xlabel="step", ylabel="CE")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    path = out / f"study-{cfg['experiment']}-curves.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
-
-
-def write_report(results: dict, out: Path) -> Path:
-    cfg = results["config"]
-    exp = cfg[cfg["experiment"]]
-    lines = [f"# Study ({cfg['experiment']}): does cross-tokenizer distillation beat CE-only?", ""]
-    if cfg["experiment"] == "signal":
-        s = exp["student"]
-        lines += [f"Student: Llama shape from random init (hidden {s['hidden_size']}, "
-                  f"{s['num_layers']} layers, tokenizer {exp['student_tokenizer']}); teacher: "
-                  f"{exp['teacher']} (pretrained). Seeds: student initialisation."]
-    else:
-        lines += [f"Student {exp['student']} (pretrained), teacher {exp['teacher']}. Seeds: "
-                  f"data order."]
-    tokens = exp["steps"] * exp["global_batch_size"] * exp["seq_length"]
-    lines += [f"{exp['steps']} steps x {exp['global_batch_size']} x {exp['seq_length']} = "
-              f"{tokens:,} student tokens per run; seeds {_seeds(results)}; payload chunk "
-              f"top-{cfg['kd']['topk']} + tail, T = {cfg['kd']['temperature']}. Machine: "
-              f"{results['machine']['cpu_count']} CPUs, torch {results['machine']['torch']}, "
-              f"{results['machine']['date']}.", ""]
-    for name, summary in summarize(results).items():
-        lines += [f"## Held-out: {name} (bits per byte, mean +- std over seeds)", "",
-                  "| model | seeds | bits/byte |", "|---|---|---|"]
-        if summary["before"]:
-            m, sd = _mean_std(summary["before"])
-            lines.append(f"| student before training | {len(summary['before'])} | {m:.4f} +- "
-                         f"{sd:.4f} |")
-        for variant, values in summary["variants"].items():
-            m, sd = _mean_std(values.values())
-            lines.append(f"| {cfg['variants'][variant]['label']} | {len(values)} | {m:.4f} +- "
-                         f"{sd:.4f} |")
-        lines.append(f"| teacher ({exp['teacher']}) | - | {summary['teacher']:.4f} |")
-        lines += [f"| teacher ({other}) | - | {value:.4f} |"
-                  for other, value in summary["other_teachers"].items()]
-        lines.append("")
-    lines += ["## Against CE-only (paired by seed)", "",
-              "A difference is called real when |mean| > 2 x the larger seed std of the two "
-              "(the rule fixed before the runs). Beside it, the paired view: on how many seeds "
-              "the variant beat CE-only, and the paired t statistic (mean / (std / sqrt(n)) of "
-              "the per-seed differences).", "",
-              "| held-out | variant | seeds | bpb - CE (mean +- std) | 2 x spread | verdict | "
-              "seeds better | paired t | gap to teacher closed |",
-              "|---|---|---|---|---|---|---|---|---|"]
-    for v in verdicts(results):
-        lines.append(f"| {v['heldout']} | {cfg['variants'][v['variant']]['label']} | "
-                     f"{v['seeds']} | {v['diff']:+.4f} +- {v['diff_std']:.4f} | "
-                     f"{2 * v['spread']:.4f} | {_verdict(v)} | "
-                     f"{v['seeds_better']}/{v['seeds']} | {v['paired_t']:.1f} | "
-                     f"{100 * v['gap_closed']:.1f}% |")
-    plot = _plot(results, out)
-    if plot:
-        lines += ["", f"![curves]({plot})"]
-    path = out / f"REPORT-{cfg['experiment']}.md"
-    path.write_text("\n".join(lines) + "\n")
-    say(f"wrote {path}")
-    return path
 
 
 def main() -> None:
