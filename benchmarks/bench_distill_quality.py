@@ -33,11 +33,16 @@ SMALL = [
 ]
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("xdistill_example_run", EXAMPLE / "run.py")
+def load_example_module(name: str):
+    """One of the example's modules (``run``, ``run_report``), loaded from its file."""
+    spec = importlib.util.spec_from_file_location(f"xdistill_example_{name}", EXAMPLE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_example():
+    return load_example_module("run")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out bits per byte after {cfg.steps} steps per variant "
           f"({cfg.train.global_batch_size} x {cfg.train.seq_length} student tokens per step, "
           f"lr {cfg.train.lr:g}, seed {cfg.seed}; report: {Path(cfg.report_dir) / 'REPORT.md'})")
-    print(example.summary_table(results))
-    for line in example.verdict(results):
+    report = load_example_module("run_report")
+    print(report.summary_table(results))
+    for line in report.verdict(results):
         print(line)
     return 0
 
