@@ -73,13 +73,15 @@ DEMO_CONFIGS = {
 }
 
 
-def write_random_demo_models(cache: Path, tokenizers: Path) -> None:
-    """HF folders of the demo pair under ``cache/models`` (where ``fetch_model`` looks): the
-    published architecture, random bf16 weights, the shared tokenizer of the family."""
+def write_random_demo_models(cache: Path, tokenizers: Path, configs: dict | None = None
+                             ) -> None:
+    """HF folders of the demo models (``configs``, default the demo pair: name -> (tokenizer
+    folder, config.json)) under ``cache/models`` (where ``fetch_model`` looks): the published
+    architecture, random bf16 weights, the shared tokenizer of the family."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for name, (tokenizer, config) in DEMO_CONFIGS.items():
+    for name, (tokenizer, config) in (configs or DEMO_CONFIGS).items():
         if not (tokenizers / tokenizer).is_dir():
             raise SystemExit(f"--random-weights: tokenizer folder {tokenizers / tokenizer} not "
                              f"found (pass --tokenizers DIR holding {tokenizer}/)")

@@ -8,6 +8,17 @@ cost the sum of the single teachers' forwards and nothing more; the table prints
 max (what a placement that runs the teachers side by side could reach).
 
   python benchmarks/bench_teachers.py [--train-iters 4] [--nproc 2] [--seq-length 128]
+      [--placement colocated|disaggregated|both] [--teacher-ranks 1] [--threads-per-rank 1]
+      [--random-weights --tokenizers DIR]
+
+``--placement disaggregated`` puts the student on the ``--nproc`` ranks and each teacher on
+``--teacher-ranks`` ranks of its own (``ranks`` in the teachers file); every teacher computes
+step k+1 while the student trains on step k, so a step should cost the slowest side, not the sum.
+That needs cores to spare (nproc + teachers x teacher-ranks ranks): on 2 cores the processes only
+share them, hence ``benchmarks/device/checks.sh bench_teachers`` runs it on a lent machine's 16
+CPU cores with ``--random-weights`` (the published architectures, random weights: the model
+files do not travel there). The last column, wall / (teachers alone + student + optimizer), is
+about 1 when the phases run one after the other and falls toward max / sum when they overlap.
 
 Each row is the mean of steps 2..N (the first is warm-up). Models, checkpoints and projections
 are fetched / converted / built once and cached (``megatron_xdistill.demo.assets.cache_dir``).
@@ -23,12 +34,13 @@ Colocated, the second teacher costs its own forward and nothing more (0.96 x the
 alone); the student's loss grows by the second teacher's KD term (0.13 -> 0.32 s). Running the
 teachers side by side (``--teacher-placement disaggregated``, each teacher on its own 'ranks')
 takes the max instead of the sum, given ranks to spare: on 2 cores the three processes would only
-share them, so that row belongs to a GPU machine.
+share them, so those rows are measured on a machine with more cores (above).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,35 +52,62 @@ TEACHERS = {  # name: (model, its layout on the --nproc ranks)
 }
 STUDENT = "smollm2-135m"
 
+# Gemma-3-270M's published architecture, for --random-weights (the demo pair's are bench_step_time's)
+GEMMA3_270M = ("gemma3", {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 640,
+    "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144,
+    "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "sliding_window": 512,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    "rope_parameters": {"full_attention": {"rope_theta": 1000000.0, "rope_type": "default"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+    "attention_bias": False, "tie_word_embeddings": True, "bos_token_id": 2,
+    "eos_token_id": 1, "pad_token_id": 0})
 
-def _teachers_yaml(path: Path, pairs: dict, names: list[str], nproc: int) -> Path:
+
+def _teachers_yaml(path: Path, pairs: dict, names: list[str], nproc: int,
+                   teacher_ranks: int | None = None) -> Path:
+    """The run's ``--teachers-config``: colocated (``teacher_ranks`` None) each teacher spans
+    the ``nproc`` ranks; disaggregated each has ``teacher_ranks`` ranks of its own."""
     import yaml
 
     entries = []
     for name in names:
         pair, (_, split) = pairs[name], TEACHERS[name]
-        entries.append({"name": name, "load": str(pair.teacher_ckpt),
-                        "tokenizer_model": str(pair.teacher_hf),
-                        "projection_path": str(pair.projection),
-                        "tensor_model_parallel_size": nproc if split == "tensor" else 1,
-                        "weight": 1.0 / len(names)})
+        ranks = nproc if teacher_ranks is None else teacher_ranks
+        entry = {"name": name, "load": str(pair.teacher_ckpt),
+                 "tokenizer_model": str(pair.teacher_hf),
+                 "projection_path": str(pair.projection),
+                 "tensor_model_parallel_size": ranks if split == "tensor" else 1,
+                 "weight": 1.0 / len(names)}
+        if teacher_ranks is not None:
+            entry["ranks"] = teacher_ranks
+        entries.append(entry)
     path.write_text(yaml.safe_dump({"teachers": entries, "combination": "sum"}))
     return path
 
 
-def _measure(args, pairs: dict, names: list[str], train: Path, work: Path) -> dict:
-    """One colocated run of these teachers; mean phase seconds (and per teacher), wall."""
+def _measure(args, pairs: dict, names: list[str], train: Path, work: Path,
+             placement: str) -> dict:
+    """One run of these teachers (``placement`` colocated or disaggregated); mean phase seconds
+    (and per teacher), wall. Disaggregated, the student keeps the ``--nproc`` ranks and each
+    teacher gets ``--teacher-ranks`` more; its teacher phase is the wait for the slowest."""
     from megatron_xdistill.demo.workflow import cpu_env, pretrain_command, read_metrics, run_command
 
-    tag = "+".join(names)
-    config = _teachers_yaml(work / f"{tag}.yaml", pairs, names, args.nproc)
+    tag = f"{'+'.join(names)}-{placement}"
+    apart = placement == "disaggregated"
+    config = _teachers_yaml(work / f"{tag}.yaml", pairs, names, args.nproc,
+                            args.teacher_ranks if apart else None)
+    world = args.nproc + (args.teacher_ranks * len(names) if apart else 0)
     metrics = work / f"metrics-{tag}.jsonl"
-    cmd = pretrain_command(pairs[names[0]], args.nproc, {
+    cmd = pretrain_command(pairs[names[0]], world, {
         "teachers-config": config, "data-path": train, "seq-length": args.seq_length,
         "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
         "train-iters": args.train_iters, "lr": "3e-5", "kd-topk": 64, "log-interval": 1,
-        "metrics-file": metrics, "num-workers": 1, "data-cache-path": work / f"cache-{tag}"})
-    run_command(cmd, env=dict(cpu_env(1), CUDA_VISIBLE_DEVICES=""),
+        "metrics-file": metrics, "num-workers": 1, "data-cache-path": work / f"cache-{tag}",
+        "teacher-placement": placement})
+    run_command(cmd, env=dict(cpu_env(args.threads_per_rank), CUDA_VISIBLE_DEVICES=""),
                 stdout_path=work / f"log-{tag}.txt")
     steps = [r for r in read_metrics(metrics) if "kd" in r][1:]
     mean = {p: sum(r[f"time_{p}"] for r in steps) / len(steps) for p in PHASES}
@@ -86,39 +125,73 @@ def _measure(args, pairs: dict, names: list[str], train: Path, work: Path) -> di
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int, default=4)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=2, help="the student's ranks (colocated: "
+                        "also every teacher's)")
     parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--placement", choices=("colocated", "disaggregated", "both"),
+                        default="colocated", help="disaggregated: each teacher on ranks of its "
+                        "own (needs cores to spare: --nproc + --teacher-ranks x teachers ranks)")
+    parser.add_argument("--teacher-ranks", type=int, default=1,
+                        help="disaggregated: ranks of each teacher")
+    parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the models' published architectures with random weights (no "
+                        "fetch: machines without the model files)")
+    parser.add_argument("--tokenizers", type=Path, default=Path(__file__).resolve().parents[2]
+                        / "shared" / "assets" / "tokenizers",
+                        help="with --random-weights: the shared tokenizers")
     args = parser.parse_args(argv)
     if args.train_iters < 2:
         parser.error("--train-iters must be >= 2 (the first step is left out)")
+    placements = (["colocated", "disaggregated"] if args.placement == "both"
+                  else [args.placement])
 
     from megatron_xdistill.demo.corpus import write_stdlib_corpus
     from megatron_xdistill.demo.workflow import prepare_models
 
-    pairs = {name: prepare_models(model, STUDENT) for name, (model, _) in TEACHERS.items()}
     work = Path(tempfile.mkdtemp(prefix="xdistill-bench-teachers-"))
+    if args.random_weights:
+        from bench_step_time import DEMO_CONFIGS, write_random_demo_models
+
+        write_random_demo_models(work / "assets", args.tokenizers,
+                                 {**DEMO_CONFIGS, "gemma3-270m": GEMMA3_270M})
+        os.environ["XDISTILL_ASSETS"] = str(work / "assets")
+    pairs = {name: prepare_models(model, STUDENT) for name, (model, _) in TEACHERS.items()}
     try:
         train, _ = write_stdlib_corpus(work / "data")
-        runs = [["qwen"], ["gemma"], ["qwen", "gemma"]]
-        rows = [(names, _measure(args, pairs, names, train, work)) for names in runs]
+        runs = [(names, placement) for placement in placements
+                for names in (["qwen"], ["gemma"], ["qwen", "gemma"])]
+        rows = [(names, placement, _measure(args, pairs, names, train, work, placement))
+                for names, placement in runs]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    alone = {names[0]: m[names[0]] for names, m in rows if len(names) == 1}
-    print(f"\nteachers -> {STUDENT}, {args.nproc} CPU ranks colocated, fp32, global batch "
-          f"{2 * args.nproc} x {args.seq_length} tokens, chunk top-64; mean of steps "
-          f"2..{args.train_iters} (s)\n")
-    print("| teachers | teacher (each) | route | student (loss) | optimizer | wall | teacher / "
-          "sum of alone | teacher / max of alone |")
-    print("|---|---|---|---|---|---|---|---|")
-    for names, m in rows:
-        each = ", ".join(f"{n} {m[n]:.2f}" for n in names)
-        total = sum(alone[n] for n in names)
-        most = max(alone[n] for n in names)
-        print(f"| {' + '.join(names)} | {m['teacher']:.2f} ({each}) | {m['route']:.2f} | "
-              f"{m['student']:.2f} ({m['loss']:.2f}) | {m['optimizer']:.2f} | {m['wall']:.2f} | "
-              f"{m['teacher'] / total:.2f} | {m['teacher'] / most:.2f} |")
+    print(table(rows, args))
     return 0
+
+
+def table(rows: list, args) -> str:
+    """The Markdown table: each run's phases against its placement's teachers run alone (sum:
+    one after the other; max: side by side) and its wall against the phases' sum."""
+    alone = {(names[0], placement): m[names[0]] for names, placement, m in rows
+             if len(names) == 1}
+    weights = ", random weights" if args.random_weights else ""
+    lines = [f"\nteachers -> {STUDENT}{weights}, student on {args.nproc} CPU ranks ({args.threads_per_rank} "
+             f"thread(s) each; disaggregated: + {args.teacher_ranks} rank(s) per teacher), fp32, "
+             f"global batch {2 * args.nproc} x {args.seq_length} tokens, chunk top-64; mean of "
+             f"steps 2..{args.train_iters} (s)\n",
+             "| teachers | placement | teacher (each) | route | student (loss) | optimizer | wall "
+             "| teacher / sum of alone | teacher / max of alone | wall / (sum of alone + student "
+             "+ optimizer) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for names, placement, m in rows:
+        each = ", ".join(f"{n} {m[n]:.2f}" for n in names)
+        total = sum(alone[n, placement] for n in names)
+        most = max(alone[n, placement] for n in names)
+        serial = total + m["student"] + m["optimizer"]
+        lines.append(f"| {' + '.join(names)} | {placement} | {m['teacher']:.2f} ({each}) | "
+                     f"{m['route']:.2f} | {m['student']:.2f} ({m['loss']:.2f}) | "
+                     f"{m['optimizer']:.2f} | {m['wall']:.2f} | {m['teacher'] / total:.2f} | "
+                     f"{m['teacher'] / most:.2f} | {m['wall'] / serial:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -383,3 +383,10 @@ def test_disaggregated_teachers_get_ranks_of_their_own(tmp_path):
     config["teachers"][0]["ranks"] = 1  # TP 2 on one rank
     with pytest.raises(ValueError, match="teacher 'a'"):
         _parse(tmp_path, config, disagg, world=3)
+    # one teacher in the file: its own 'ranks' count as --teacher-ranks (a key over the flag)
+    one = {"teachers": [{**t, "name": "a", "ranks": 2, "tensor_model_parallel_size": 2}]}
+    placement = Placement.from_args(_parse(tmp_path, one, disagg, world=3), 3)
+    assert placement.student_global_ranks() == [0] and placement.teacher_global_ranks() == [1, 2]
+    placement = Placement.from_args(_parse(tmp_path, one, [*disagg, "--teacher-ranks", "1"],
+                                           world=3), 3)
+    assert placement.teacher_global_ranks() == [1, 2]

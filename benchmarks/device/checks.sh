@@ -11,6 +11,9 @@
 #   bench_loss_blocks 150 s  the exact and gold forms: a kernel profile, and three block sizes
 #   bench_step      200 s  step time, colocated, bf16, random weights, chunk top-64
 #   bench_onpolicy  200 s  on-policy generation speed and its share of a step
+#   bench_teachers  420 s  1 vs 2 teachers, colocated vs disaggregated (issue 20), on the
+#                          machine's CPU cores (gloo; one GPU cannot hold NCCL ranks of both
+#                          sides): student 2 ranks, each teacher 2 more, 2 threads a rank
 # Measured on an H200 (2026-11-26): a part's start (imports, random-weight models, packing)
 # takes 60-90 s, so 15 device minutes hold about two calls. 2026-11-27 (H200): gpu_tests took
 # 230 s, bench_step 134 s, bench_loss and bench_loss_blocks ran into their limits (150 s).
@@ -56,6 +59,9 @@ for name in "$@"; do
     bench_onpolicy) part bench_onpolicy 200 python3 benchmarks/bench_onpolicy.py --device cuda \
                       --nproc 1 --bf16 --random-weights --tokenizers "$TOK" \
                       --global-batch-size 16 --new-tokens 64 ;;
+    bench_teachers) part bench_teachers 420 python3 benchmarks/bench_teachers.py \
+                      --random-weights --tokenizers "$TOK" --placement both --nproc 2 \
+                      --teacher-ranks 2 --threads-per-rank 2 --train-iters 4 --seq-length 128 ;;
     *) echo "unknown part $name"; exit 2 ;;
   esac
 done

@@ -62,6 +62,8 @@ class Placement:
         ranks = getattr(args, "teacher_ranks", None)
         teachers = getattr(args, "teachers", None) or []
         if kind != "disaggregated" or len(teachers) < 2:
+            if kind == "disaggregated" and teachers and teachers[0].ranks is not None:
+                ranks = teachers[0].ranks  # one teacher's own 'ranks' (a key over the flag)
             return cls(kind, world_size, ranks)
         split = []
         for spec in teachers:
