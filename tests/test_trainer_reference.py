@@ -12,13 +12,14 @@ only its invariance across layouts (test_e2e).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from shared_assets import needs_shared_assets
+from shared_assets import TOKENIZERS, needs_shared_assets
 from test_e2e import _argv, _losses, _run_main
 
 from megatron_xdistill.testing.multirank import RankPool
@@ -89,6 +90,9 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
     w, matrix = _sparse_projection(root / "proj.safetensors")
     kd = dict(kd)
     skip_split = kd.pop("skip_student_split", False)
+    first_token = kd.pop("first_token", False)
+    if first_token:
+        kd["teacher_heads"] = _first_token_heads()
     mode = kd.get("mode", "pkl")
     if mode != "pkl":
         kd = {**kd, "common": matrix.common_vocab("strict" if mode == "gold" else "xtoken")}
@@ -105,10 +109,14 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
     for b in range(GBS):
         one = slice(b, b + 1)
         valid = batch["chunk_valid"][one]
+        s_ids = batch["student_chunk_id"][one]
         if skip_split:
             valid = valid & ~_student_split_dense(batch, b)[None]
+        if first_token:
+            valid = valid & _one_teacher_token_dense(batch, b)[None]
+            s_ids = _chunk_starts_dense(batch, b)[None]
         details = kd_loss_details(
-            _padded(s_logits[one]), _padded(t_logits[one]), batch["student_chunk_id"][one],
+            _padded(s_logits[one]), _padded(t_logits[one]), s_ids,
             batch["teacher_chunk_id"][one], valid, batch["chunk_exact"][one], w, **kd)
         kd_sums.append(details.per_chunk.sum() * (1.0 if sample_weights is None
                                                     else sample_weights[b]))
@@ -132,6 +140,33 @@ def _student_split_dense(batch: dict, b: int) -> torch.Tensor:
     s_ids, t_ids = batch["student_chunk_id"][b], batch["teacher_chunk_id"][b]
     return torch.tensor([int((s_ids == c).sum()) > int((t_ids == c).sum())
                          for c in range(batch["chunk_valid"].shape[1])])
+
+
+def _one_teacher_token_dense(batch: dict, b: int) -> torch.Tensor:
+    """[C] sample b's chunks of exactly one teacher token, chunk by chunk."""
+    t_ids = batch["teacher_chunk_id"][b]
+    return torch.tensor([int((t_ids == c).sum()) == 1
+                         for c in range(batch["chunk_valid"].shape[1])])
+
+
+def _chunk_starts_dense(batch: dict, b: int) -> torch.Tensor:
+    """Sample b's student chunk ids with only each chunk's lowest position kept."""
+    s_ids = batch["student_chunk_id"][b]
+    out = torch.full_like(s_ids, -1)
+    for c in range(batch["chunk_valid"].shape[1]):
+        where = torch.nonzero(s_ids == c).flatten()
+        if len(where):
+            out[where.min()] = c
+    return out
+
+
+@functools.cache
+def _first_token_heads() -> torch.Tensor:
+    from megatron_xdistill.projection.first_token import first_token_heads
+    from megatron_xdistill.projection.vocab import load_tokenizer
+
+    return torch.from_numpy(first_token_heads(load_tokenizer(str(TOKENIZERS / "smollm2")),
+                                              load_tokenizer(str(TOKENIZERS / "qwen2")), 151936))
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +203,9 @@ FORMS = {
     "pkl_chunk_top16_skip_student_split": (
         2, ["--kd-skip-student-split-chunks", "--context-parallel-size", "2"],
         {"chunk_topk": 16, "skip_student_split": True}),
+    "pkl_chunk_top16_first_token": (
+        2, ["--kd-first-token", "--context-parallel-size", "2"],
+        {"chunk_topk": 16, "first_token": True}),
     "gold_student_tp2_cp2_teacher_tp2": (
         4, ["--kd-loss", "gold", *TP2_CP2, "--teacher-tensor-model-parallel-size", "2"],
         {"mode": "gold"}),

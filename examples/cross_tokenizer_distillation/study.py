@@ -166,7 +166,8 @@ def _options(cfg, data: dict, variant: dict, seed: int) -> dict:
 def _kd(cfg, variant: dict) -> dict:
     """The payload and KD settings of a variant: the shared ``kd`` block, overridden by the
     variant's own ``topk`` / ``topk_mode`` / ``temperature`` / ``dynamic_scaling`` /
-    ``skip_student_split`` (the last two are student-side: the teacher cache is shared)."""
+    ``skip_student_split`` / ``first_token`` (the last three are student-side: the teacher
+    cache is shared)."""
     get = lambda key: variant.get(key, cfg.kd.get(key))  # noqa: E731
     out = {"kd-topk": get("topk"), "kd-topk-mode": get("topk_mode"),
            "kd-temperature": get("temperature")}
@@ -174,6 +175,8 @@ def _kd(cfg, variant: dict) -> dict:
         out["kd-dynamic-scaling"] = True
     if get("skip_student_split"):
         out["kd-skip-student-split-chunks"] = True
+    if get("first_token"):
+        out["kd-first-token"] = True
     return out
 
 

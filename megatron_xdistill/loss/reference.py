@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .common import (
+    EPS,
+    TINY,
     UNCOMMON_TOPK,
     check_mode,
     common_vocab_from_dense,
@@ -83,8 +85,11 @@ def kd_loss_details(
     uncommon_topk: int = UNCOMMON_TOPK,
     common: tuple[torch.Tensor, torch.Tensor] | None = None,
     jsd_beta: float | None = None,
+    teacher_heads: torch.Tensor | None = None,
 ) -> ReferenceDetails:
-    """Per-chunk losses; see :func:`kd_loss`."""
+    """Per-chunk losses; see :func:`kd_loss`. ``teacher_heads`` [V_t] (forward P-KL with
+    ``chunk_topk``): the chunk's top-k teacher mass summed onto ``teacher_heads[column]``
+    before the KL, as ``--kd-first-token`` does (its chunk ids and chunks are the caller's)."""
     check_mode(mode)
     beta = divergence_beta(reverse, jsd_beta)
     temp = float(temperature)
@@ -107,6 +112,13 @@ def kd_loss_details(
             cols = importance.topk(min(vocab_topk, importance.numel())).indices.sort().values
             t_log = _chunk_mean(m_t, F.log_softmax(u[..., cols], dim=-1))
             q_k = q_mean[..., cols]
+        elif chunk_topk is not None and teacher_heads is not None:
+            if beta != 0.0:
+                raise ValueError("teacher_heads: forward KL only")
+            t_log, cols, tail = chunk_topk_columns(_chunk_mean(m_t, logp_t), chunk_topk)
+            kl, top1 = _headed_kl(t_log, cols, tail, q_mean, teacher_heads)
+            per_chunk = torch.where(counted, kl * temp * temp, torch.zeros_like(kl))
+            return ReferenceDetails(per_chunk, counted, top1 & counted)
         elif chunk_topk is not None:
             t_log, cols, tail = chunk_topk_columns(_chunk_mean(m_t, logp_t), chunk_topk)
             q_k = q_mean.gather(-1, cols)
@@ -135,6 +147,24 @@ def kd_loss_details(
             top1 = torch.zeros_like(counted)
     per_chunk = torch.where(counted, kl * temp * temp, torch.zeros_like(kl))
     return ReferenceDetails(per_chunk, counted, top1 & counted)
+
+
+def _headed_kl(t_log: torch.Tensor, cols: torch.Tensor, tail: torch.Tensor,
+               q_mean: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward KL of the chunk top-k teacher mass moved onto its heads (dense over V_t: the
+    teacher's probability on each head column, the tail bucket as it was) from the student's
+    projected mass, renormalised over V_t; and whether the argmaxes agree."""
+    moved = torch.zeros_like(q_mean).scatter_add(-1, heads[cols], t_log.exp())
+    support = moved > 0
+    total = q_mean.sum(-1)
+    q = q_mean / total.clamp_min(TINY)[..., None]
+    q_tail = ((total - (q_mean * support).sum(-1)) / total.clamp_min(TINY)).clamp_min(0)
+    terms = torch.where(support, moved * (moved.clamp_min(TINY).log() - torch.log(q + EPS)),
+                        torch.zeros_like(moved))
+    p_tail = tail.exp()
+    kl = terms.sum(-1) + p_tail * (tail - torch.log(q_tail + EPS))
+    top1 = torch.where(support, q, torch.full_like(q, -1.0)).argmax(-1) == moved.argmax(-1)
+    return kl, top1
 
 
 def kd_loss(

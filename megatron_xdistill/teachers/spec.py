@@ -51,6 +51,7 @@ _FLAG_OF = {
     "kd_reverse": "kd_reverse",
     "gkd_beta": "gkd_beta",
     "kd_skip_student_split_chunks": "kd_skip_student_split_chunks",
+    "kd_first_token": "kd_first_token",
     "weight": "kd_weight",
     "ranks": "teacher_ranks",
     "cache": "teacher_cache",
@@ -60,7 +61,7 @@ _TYPES = {"load": str, "tokenizer_model": str, "projection_path": str,
           "context_parallel_size": int, "sequence_parallel": bool, "seq_length": int,
           "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_temperature": float,
           "kd_reverse": bool, "gkd_beta": float, "kd_skip_student_split_chunks": bool,
-          "weight": float, "ranks": int, "cache": str}
+          "kd_first_token": bool, "weight": float, "ranks": int, "cache": str}
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class TeacherSpec:
     kd_reverse: bool
     gkd_beta: float | None  # GKD's generalized JSD (None: forward or, with kd_reverse, reverse KL)
     kd_skip_student_split_chunks: bool  # count no chunk the student spells in more tokens
+    kd_first_token: bool  # next-token KL at chunk starts, teacher mass moved to first pieces
     weight: float
     ranks: int | None = None  # disaggregated: how many ranks serve this teacher
     cache: str | None = None  # its teacher payload cache directory

@@ -196,6 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "sits on a token that no student token projects to, so the KL cannot fall "
                    "(pretrained pair of the quality study: 10%% of the chunks, 45%% of the KL) "
                    "and its gradient pulls the student towards other spellings of the text")
+    g.add_argument("--kd-first-token", action="store_true",
+                   help="P-KL, chunk top-k payload: compare what both models predict the text "
+                   "continues with at each chunk start: the student position that predicts the "
+                   "chunk's first token against the teacher's (chunks of one teacher token; the "
+                   "others are not counted), with the teacher's mass on each token moved to the "
+                   "teacher twin of the student token its text begins with (teacher ');\\n' "
+                   "counts for the student's ');'), where the chunk average of P-KL sets the "
+                   "student's 'de' and 'f' against the teacher's 'def'. Student side only: a "
+                   "teacher cache of the same payload serves it")
     g.add_argument("--kd-weight", type=float, default=1.0,
                    help="weight of the KD term (see --ce-weight). On the quality study's "
                    "pretrained pair (SmolLM2-135M fine-tuned on code, Qwen2.5-Coder-0.5B "
@@ -219,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="distil from several teachers: a YAML list under 'teachers', each with "
                    "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
                    "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
-                   "kd_reverse, gkd_beta, kd_skip_student_split_chunks, weight, ranks and cache "
+                   "kd_reverse, gkd_beta, kd_skip_student_split_chunks, kd_first_token, weight, "
+                   "ranks and cache "
                    "(unset keys: the --teacher-* / --kd-* "
                    "flags). A teacher with the student's tokenizer takes a direct token-level "
                    "KL (no projection). Colocated: the teachers run one after the other on every "
@@ -335,6 +345,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                f"{args.seq_length}: the teacher must cover the student's text (use about "
                f"1-2 x --seq-length depending on the tokenizers)")
         _check(spec.kd_temperature > 0, f"{who}: --kd-temperature must be > 0")
+        _check(not spec.kd_first_token or (spec.kd_loss == "pkl" and spec.kd_topk > 0
+                                           and spec.kd_topk_mode == "chunk"),
+               f"{who}: --kd-first-token moves the teacher's mass within chunk top-k payloads: "
+               f"it needs --kd-loss pkl, --kd-topk > 0 and --kd-topk-mode chunk (got "
+               f"{spec.kd_loss}, {spec.kd_topk}, {spec.kd_topk_mode})")
         _check(spec.gkd_beta is None or 0.0 <= spec.gkd_beta <= 1.0,
                f"{who}: --gkd-beta {spec.gkd_beta} must be in [0, 1] (0: forward KL, "
                f"1: reverse KL)")

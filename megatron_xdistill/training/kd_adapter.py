@@ -21,6 +21,11 @@ from megatron_xdistill.loss import (
     student_split_chunks,
     teacher_payload,
 )
+from megatron_xdistill.loss.chunk_starts import (
+    chunk_start_ids,
+    merge_into_heads,
+    single_teacher_token_chunks,
+)
 from megatron_xdistill.loss.collectives import all_reduce
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.teachers.spec import TeacherSpec
@@ -102,6 +107,10 @@ class KDObjective:
         self.spec = None if self.ce_only else payload_spec(
             self.form, self.num_chunks, self.teacher_vocab, topk=spec.kd_topk or None,
             num_common=None if common_teacher is None else len(common_teacher))
+        self.heads = self.unreached = None  # --kd-first-token: where teacher mass moves
+        if spec.kd_first_token and student.member and matrix is not None:
+            self.heads, self.unreached = first_token_heads_of(
+                matrix, student_tokenizer, spec.tokenizer_model, self.teacher_vocab, log)
         self.shard = None  # the student side's projection rows (none on teacher-only ranks)
         if student.member and matrix is not None:
             padded = student_info.padded_vocab_size(student.layout.tp)
@@ -160,7 +169,7 @@ class KDObjective:
     def count_chunks(self, batch: dict, samples: torch.Tensor | None = None) -> int:
         """Chunks the KD loss counts in a (full-sequence) batch: for the global denominator.
         ``samples`` (bool [B]): only those samples' chunks."""
-        counted = counted_chunks(batch["student_chunk_id"], batch["teacher_chunk_id"],
+        counted = counted_chunks(self.student_chunk_id(batch), batch["teacher_chunk_id"],
                                  self.chunk_valid(batch), batch["chunk_exact"])
         if samples is not None:
             counted = counted[samples.to(counted.device)]
@@ -168,12 +177,23 @@ class KDObjective:
 
     def chunk_valid(self, batch: dict) -> torch.Tensor:
         """[B, C] the chunks the KD loss may count: the batch's valid chunks, less those the
-        student spells in more tokens than the teacher under ``kd_skip_student_split_chunks``."""
+        student spells in more tokens than the teacher under ``kd_skip_student_split_chunks``
+        and, under ``kd_first_token``, those of several teacher tokens."""
         valid = batch["chunk_valid"]
-        if not self.teacher_spec.kd_skip_student_split_chunks:
-            return valid
-        return valid & ~student_split_chunks(batch["student_chunk_id"], batch["teacher_chunk_id"],
-                                             valid.shape[1]).to(valid.device)
+        if self.teacher_spec.kd_skip_student_split_chunks:
+            valid = valid & ~student_split_chunks(
+                batch["student_chunk_id"], batch["teacher_chunk_id"], valid.shape[1]
+            ).to(valid.device)
+        if self.teacher_spec.kd_first_token:
+            valid = valid & single_teacher_token_chunks(
+                batch["teacher_chunk_id"], valid.shape[1]).to(valid.device)
+        return valid
+
+    def student_chunk_id(self, batch: dict) -> torch.Tensor:
+        """The student's unshifted chunk ids the loss reads: under ``kd_first_token`` only each
+        chunk's first token (its one predicting position is the chunk start)."""
+        ids = batch["student_chunk_id"]
+        return chunk_start_ids(ids) if self.teacher_spec.kd_first_token else ids
 
     def labels(self, batch: dict) -> torch.Tensor:
         """Next-token labels (-1 where the loss mask is 0), this CP rank's slice."""
@@ -192,7 +212,9 @@ class KDObjective:
         payload = pred = None
         if payload_rows is not None:
             payload = TeacherPayload.from_flat(payload_rows[:, : self.spec.numel], self.spec)
-            pred = predicting_chunk_id(batch["student_chunk_id"])[:, :width]
+            if self.heads is not None:
+                payload = merge_into_heads(payload, self.heads, self.unreached)
+            pred = predicting_chunk_id(self.student_chunk_id(batch))[:, :width]
             pred = groups.cp_local(pred)
         return parallel_kd_loss(
             logits, payload, pred, self.chunk_valid(batch), batch["chunk_exact"], self.shard,
@@ -203,3 +225,25 @@ class KDObjective:
             labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp,
             sample_weights=batch.get("sample_weight"))
+
+
+def first_token_heads_of(matrix, student_tokenizer: str, teacher_tokenizer: str,
+                         teacher_vocab: int, log=print) -> tuple[torch.Tensor, int]:
+    """``--kd-first-token``: (heads [V_t], a teacher id outside W's image) from the tokenizers.
+    The unreached id takes the probability-0 rest of merged payload entries."""
+    from megatron_xdistill.projection.first_token import first_token_heads
+    from megatron_xdistill.projection.vocab import load_tokenizer
+
+    heads = torch.from_numpy(first_token_heads(load_tokenizer(student_tokenizer),
+                                               load_tokenizer(teacher_tokenizer), teacher_vocab))
+    reached = torch.zeros(max(teacher_vocab, len(heads)), dtype=torch.bool)
+    reached[matrix.indices[matrix.indices >= 0]] = True
+    free = torch.nonzero(~reached).flatten()
+    if not len(free):
+        raise ValueError("--kd-first-token needs a teacher id that no student token projects "
+                         "to (W reaches every teacher id); the projection is not of a "
+                         "smaller student vocabulary")
+    moved = int((heads != torch.arange(len(heads))).sum())
+    log(f"> --kd-first-token: {moved:,} of {len(heads):,} teacher tokens move their mass to "
+        f"the twin of the student token their text begins with")
+    return heads, int(free[0])
