@@ -238,7 +238,7 @@ def first_token_heads_of(matrix, student_tokenizer: str, teacher_tokenizer: str,
                                                load_tokenizer(teacher_tokenizer), teacher_vocab))
     reached = torch.zeros(max(teacher_vocab, len(heads)), dtype=torch.bool)
     reached[matrix.indices[matrix.indices >= 0]] = True
-    free = torch.nonzero(~reached).flatten()
+    free = torch.nonzero(~reached[:teacher_vocab]).flatten()
     if not len(free):
         raise ValueError("--kd-first-token needs a teacher id that no student token projects "
                          "to (W reaches every teacher id); the projection is not of a "
