@@ -200,11 +200,17 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool, tmp_path):
     root, s_tok, t_tok = e2e_setup
     extra = ["--tensor-model-parallel-size", "2", "--save-interval", "1"]
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "full", extra + ["--save", str(tmp_path / "full")]))
+    keep = ["--keep-last-checkpoints", "1"]  # the resumed run keeps its newest checkpoint only
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
-                              extra + ["--save", str(tmp_path / "part"), "--exit-interval", "1"]))
+                                  extra + keep + ["--save", str(tmp_path / "part"),
+                                                  "--exit-interval", "1"]))
     shutil.copytree(tmp_path / "part", tmp_path / "fresh_optimizer")
-    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part", extra + ["--save", str(tmp_path / "part")]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "part",
+                                  extra + keep + ["--save", str(tmp_path / "part")]))
     assert _losses(root, "part") == _losses(root, "full")
+    assert sorted(p.name for p in (tmp_path / "part").glob("iter_*")) == ["iter_0000003"]
+    assert sorted(p.name for p in (tmp_path / "full").glob("iter_*")) == [
+        "iter_0000001", "iter_0000002", "iter_0000003"]
     # --no-load-optim / --no-load-rng (Megatron-LM's): the weights and the data position resume
     # (step 2's loss, taken before its update, is the uninterrupted run's), Adam and the LR
     # schedule start afresh (step 3 differs).

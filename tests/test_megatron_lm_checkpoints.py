@@ -345,3 +345,24 @@ def test_training_checkpoints_hold_the_rng_where_megatron_lm_reads_it(pool, tmp_
     assert got == {"keys": ["np_rng_state", "random_rng_state", "rng_tracker_states",
                             "torch_rng_state"], "list": True, "torch": True, "python": True,
                    "numpy": True}
+
+
+def test_pruning_keeps_the_newest_and_never_the_tracked_or_a_partial_one(tmp_path):
+    """--keep-last-checkpoints: the newest N iteration folders stay; the tracked one (even
+    if older, e.g. a rerun that saved less far) and a save in progress are never removed."""
+    from megatron_xdistill.training.checkpointing import prune_checkpoints
+
+    for name in ("iter_0000010", "iter_0000020", "iter_0000030", "iter_0000040.tmp",
+                 "release"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x").write_text("1")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    removed = prune_checkpoints(str(tmp_path), 1)
+    assert sorted(removed) == [str(tmp_path / "iter_0000020")]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "iter_0000010", "iter_0000030", "iter_0000040.tmp", "release"]
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("30")
+    assert prune_checkpoints(str(tmp_path), 1) == [str(tmp_path / "iter_0000010")]
+    assert prune_checkpoints(str(tmp_path), 1) == []
+    with pytest.raises(ValueError, match="keep_last"):
+        prune_checkpoints(str(tmp_path), 0)

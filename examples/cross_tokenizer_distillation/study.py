@@ -280,7 +280,7 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
     options = {**_options(cfg, data, variant, seed),
                "metrics-file": str(run_dir / "metrics.jsonl"),
                "data-cache-path": str(work / "data_cache"), "save": str(run_dir / "ckpt"),
-               "save-interval": cfg.save_interval}
+               "save-interval": cfg.save_interval, "keep-last-checkpoints": 1}
     if variant["kd_weight"] > 0:
         options.update(teacher_pass(cfg, work, pair, data, variant, seed))
     stamp = run_dir / "settings.json"

@@ -88,7 +88,7 @@ def train(cfg, name: str, models, data: dict, work: Path) -> Path:
         "ce-weight": variant.ce_weight, "reward-fn": cfg.reward_fn, "log-interval": 1,
         "metrics-file": run_dir / "metrics.jsonl",
         "generations-file": run_dir / "generations.jsonl", "save": run_dir / "ckpt",
-        "save-interval": cfg.save_interval}
+        "save-interval": cfg.save_interval, "keep-last-checkpoints": 1}
     say(f"training {name} ({variant.label}) from step {_finished(run_dir / 'ckpt')}")
     run_command(pretrain_command(models, cfg.nproc, options), say,
                 env=cpu_env(cfg.threads_per_rank), stdout_path=run_dir / "train.log")

@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when resuming, keep this run's RNG state (Megatron-LM's flag)")
     g.add_argument("--save", default=None, help="directory for training checkpoints")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
+    g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="N",
+                   help="after each save keep only the N newest checkpoints under --save (the "
+                   "older ones are removed once the new one is complete). Default: keep all, as "
+                   "Megatron-LM does; a 135M student's checkpoint with its Adam state takes "
+                   "about 1.6 GB")
     g.add_argument("--exit-interval", type=int, default=None,
                    help="stop (after saving) once the iteration is a multiple of this")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -420,6 +425,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _check(path is None or os.path.isdir(path), f"{flag}: no such directory: {path}")
     if args.save_interval is not None:
         _check(args.save is not None, "--save-interval needs --save")
+    _check(args.keep_last_checkpoints is None or (args.save is not None
+                                                  and args.keep_last_checkpoints >= 1),
+           f"--keep-last-checkpoints needs --save and N >= 1, got "
+           f"{args.keep_last_checkpoints}")
     if args.eval_interval is not None:
         _check(args.valid_data_path is not None or args.split is not None,
                "--eval-interval needs --valid-data-path or --split")

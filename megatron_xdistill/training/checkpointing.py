@@ -20,6 +20,8 @@ collective over the whole world (dist_checkpointing's save is), so teacher ranks
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import time
 
 import torch
@@ -122,9 +124,31 @@ def _pause_for_fault_tests() -> None:
         time.sleep(pause)
 
 
+def prune_checkpoints(root: str, keep_last: int) -> list[str]:
+    """Remove all but the newest ``keep_last`` iteration folders under ``root`` (never the one
+    the tracker names, nor a ``.tmp`` being written); returns the removed paths. Each goes
+    aside (``.removing``) before it is deleted, so a half-deleted folder never looks like a
+    checkpoint."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    tracked = tracked_iteration(root)
+    found = sorted((int(m.group(1)), m.group(0)) for m in
+                   (re.fullmatch(r"iter_(\d{7})", name) for name in os.listdir(root)) if m)
+    removed = []
+    for iteration, name in found[:-keep_last]:
+        if iteration == tracked:
+            continue
+        path = os.path.join(root, name)
+        aside = path + ".removing"
+        os.replace(path, aside)
+        shutil.rmtree(aside)
+        removed.append(path)
+    return removed
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_cp_group,
                     common: dict, partial_world: bool = False,
-                    megatron_args: object | None = None) -> str:
+                    megatron_args: object | None = None, keep_last: int | None = None) -> str:
     """Collective over the world: write the checkpoint of ``iteration`` under ``root``; returns
     its path.
 
@@ -132,6 +156,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
     ``partial_world``: some ranks hold no part of the model (disaggregated teacher ranks); those
     call with ``model=None`` and write nothing, and every rank must pass True.
     ``megatron_args``: Megatron-LM's ``args`` for the model (stored for Megatron-LM's tools).
+    ``keep_last``: once the tracker names the new one, rank 0 removes all but the newest that
+    many (``--keep-last-checkpoints``; None keeps every one, as Megatron-LM does).
     """
     final = iteration_dir(root, iteration)
 
@@ -156,9 +182,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, dp_c
             torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{dist.get_rank():05d}.pt"))
         _pause_for_fault_tests()
 
-    # The tracker names the new iteration only once its folder is complete.
-    write_collectively(final, write, replace=True, after_commit=lambda: write_text_atomic(
-        os.path.join(root, TRACKER_FILE), str(iteration)))
+    def commit() -> None:  # the tracker names the new iteration only once it is complete
+        write_text_atomic(os.path.join(root, TRACKER_FILE), str(iteration))
+        if keep_last is not None:
+            for path in prune_checkpoints(root, keep_last):
+                print(f"> removed {path} (--keep-last-checkpoints {keep_last})", flush=True)
+
+    write_collectively(final, write, replace=True, after_commit=commit)
     return final
 
 

@@ -410,7 +410,8 @@ class Distiller:
         if self.student is None:
             return save_checkpoint(root, iteration, None, None, None, None, common,
                                    partial_world=partial_world)
-        return self.student.save(root, iteration, common, partial_world)
+        return self.student.save(root, iteration, common, partial_world,
+                                 getattr(self.args, "keep_last_checkpoints", None))
 
     def resume(self, root: str) -> dict:
         """Restore the student from a training checkpoint (collective over the student ranks);

@@ -299,10 +299,11 @@ class StudentSide:
                 "eval_bpb": nats / (math.log(2) * max(num_bytes, 1.0)), "eval_tokens": int(tokens)}
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, root: str, iteration: int, common: dict, partial_world: bool) -> str:
+    def save(self, root: str, iteration: int, common: dict, partial_world: bool,
+             keep_last: int | None = None) -> str:
         """The training checkpoint (collective over the world, see ``save_checkpoint``); rank 0
         also keeps the model description and HF files at the run root (resume and export need
-        no flags)."""
+        no flags) and, with ``keep_last``, only that many newest checkpoints."""
         if dist.get_rank() == 0:
             models_api.save_model_info(self.info, root)
             models_api.keep_hf_files(root, self.side_config.load, self.side_config.tokenizer_model)
@@ -315,7 +316,8 @@ class StudentSide:
         with self.whole_parameters():
             return save_checkpoint(root, iteration, self.model.module, self.optimizer,
                                    self.scheduler, self.groups.pg_collection.dp_cp, common,
-                                   partial_world=partial_world, megatron_args=megatron_args)
+                                   partial_world=partial_world, megatron_args=megatron_args,
+                                   keep_last=keep_last)
 
     def resume(self, root: str) -> dict:
         """Model, optimizer, scheduler and RNG from a training checkpoint (collective over the
