@@ -88,3 +88,13 @@ def test_the_report_is_rebuilt_from_a_results_file_alone(tmp_path):
     assert "| ce | 3 | 2.0100 +- 0.0100 |" in report
     assert "| wiki | pkl | 3 | -0.1000 +- 0.0000 | 0.0200 | better than CE-only | 3/3 |" in report
     assert (tmp_path / "out" / "study-real-curves.png").is_file()
+
+
+def test_a_run_is_not_started_over_for_how_often_it_saves():
+    """The stamp of a finished run (written before --keep-last-checkpoints existed) still
+    matches when only saving options differ; a deciding option does not."""
+    old = {"options": {"lr": 5e-5, "save-interval": 50}, "student": "s"}
+    new = {"options": {"lr": 5e-5, "save-interval": 100, "keep-last-checkpoints": 1},
+           "student": "s"}
+    assert study._deciding(old) == study._deciding(new)
+    assert study._deciding(old) != study._deciding({**new, "options": {"lr": 1e-4}})

@@ -7,7 +7,9 @@ a real pretrained teacher with another tokenizer on Shakespeare + English Wikipe
 four Shakespeare works and the Wikipedia validation articles. Seeds change the student's
 initialisation; the data order is the same for every run, so each seed is a paired comparison.
 *real* (b): the demo pair (pretrained SmolLM2-135M, Qwen2.5-Coder-0.5B teacher) on the CPython
-standard library split by module; seeds change the data order.
+standard library split by module; seeds change the data order. Held out: the stdlib modules not
+trained on (which both models may have seen in pretraining) and ``data/fresh_code.jsonl``, 16
+modules of this repository written in 2026, after both models were trained.
 
 The teacher runs once per payload form: ``pretrain_xdistill.py --teacher-cache-only`` fills a
 payload cache that every run of that form reads (``--teacher-cache``), so a variant costs a
@@ -138,7 +140,14 @@ def setup(cfg, work: Path) -> tuple[dict[int, ModelPair], dict]:
         pair = prepare_models(exp.teacher, exp.student, log=say)
         train, valid = write_stdlib_corpus(work / "data", exp.data.valid_fraction,
                                            exp.data.max_chars)
-        return {seed: pair for seed in cfg.seeds}, {"train": train, "stdlib": valid}
+        data = {"train": train, "stdlib": valid}
+        if exp.data.get("fresh_code"):  # code written after both models were trained
+            fresh = work / "data" / "fresh_code.jsonl"
+            if not fresh.is_file() or fresh.read_bytes() != (HERE / exp.data.fresh_code
+                                                             ).read_bytes():
+                shutil.copyfile(HERE / exp.data.fresh_code, fresh)
+            data["fresh_code"] = fresh
+        return {seed: pair for seed in cfg.seeds}, data
     raise ValueError(f"experiment must be signal or real, got {cfg.experiment!r}")
 
 
@@ -273,6 +282,19 @@ def _finished(ckpt: Path) -> int:
     return int(text) if text.isdigit() else 0
 
 
+# Options that decide nothing of a run's result: a stamp that differs only in them is the same
+# run (changing how often it saves must not start it over).
+_NEUTRAL_OPTIONS = ("save-interval", "keep-last-checkpoints")
+
+
+def _deciding(settings: dict) -> dict:
+    """A run's stamp without the options that do not change its result (JSON round trip)."""
+    settings = json.loads(json.dumps(settings))
+    for key in _NEUTRAL_OPTIONS:
+        settings.get("options", {}).pop(key, None)
+    return settings
+
+
 def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int) -> Path:
     """One (variant, seed) run; resumes from its checkpoints, skipped once finished."""
     variant = dict(cfg.variants[name])
@@ -285,7 +307,7 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
         options.update(teacher_pass(cfg, work, pair, data, variant, seed))
     stamp = run_dir / "settings.json"
     settings = {"options": options, "student": str(pair.student_ckpt)}
-    if stamp.is_file() and json.loads(stamp.read_text()) != json.loads(json.dumps(settings)):
+    if stamp.is_file() and _deciding(json.loads(stamp.read_text())) != _deciding(settings):
         say(f"{run_dir.name}: settings changed; starting over")
         shutil.rmtree(run_dir)
     steps = cfg[cfg.experiment].steps
