@@ -98,3 +98,16 @@ def test_a_run_is_not_started_over_for_how_often_it_saves():
            "student": "s"}
     assert study._deciding(old) == study._deciding(new)
     assert study._deciding(old) != study._deciding({**new, "options": {"lr": 1e-4}})
+
+
+def test_a_second_held_out_set_leaves_the_in_loop_set_and_the_runs_as_they_were():
+    """The real pair's in-training curve stays on the stdlib held-out set when the fresh-code
+    set is added (it is part of every run's stamp: another set starts every run over)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.load(Path(study.HERE) / "study.yaml"), {"experiment": "real"})
+    one = {"train": Path("t.jsonl"), "stdlib": Path("s.jsonl")}
+    two = {**one, "fresh_code": Path("f.jsonl")}
+    variant = dict(cfg.variants["pkl"])
+    assert study._options(cfg, two, variant, 1) == study._options(cfg, one, variant, 1)
+    assert study._options(cfg, two, variant, 1)["valid-data-path"] == "s.jsonl"

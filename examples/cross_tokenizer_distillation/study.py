@@ -152,12 +152,16 @@ def setup(cfg, work: Path) -> tuple[dict[int, ModelPair], dict]:
 
 
 # --------------------------------------------------------------------------- training
+# The held-out set of each experiment's in-training curve (--valid-data-path). It is part of
+# every run's settings: another set would start every run over.
+IN_LOOP = {"signal": "enwiki", "real": "stdlib"}
+
+
 def _options(cfg, data: dict, variant: dict, seed: int) -> dict:
     """``pretrain_xdistill.py`` arguments shared by a run and its teacher pass."""
     exp = cfg[cfg.experiment]
-    heldout = [k for k in data if k != "train"]
     return {
-        "data-path": str(data["train"]), "valid-data-path": str(data[heldout[-1]]),
+        "data-path": str(data["train"]), "valid-data-path": str(data[IN_LOOP[cfg.experiment]]),
         "seq-length": exp.seq_length, "teacher-seq-length": exp.teacher_seq_length,
         "micro-batch-size": exp.micro_batch_size, "global-batch-size": exp.global_batch_size,
         "train-iters": exp.steps, "lr": exp.lr, "min-lr": exp.min_lr,
