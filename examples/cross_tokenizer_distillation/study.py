@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -330,7 +331,7 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
 
 
 def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
-             stamp: str, known: dict | list[dict] | None = None) -> dict:
+             stamp: str, known: Sequence[dict | None] = ()) -> dict:
     """Held-out bits per byte (``megatron_xdistill.evaluation``; cached by model and settings,
     also across machines and labels through ``known``: earlier evaluations, of which one with
     the same model, held-out text and settings is taken instead of running it again)."""
@@ -341,7 +342,7 @@ def evaluate(cfg, work: Path, label: str, model_args: list[str], heldout: Path,
     out = work / "eval" / f"{label}.json"
     if out.is_file() and json.loads(out.read_text()).get("key") == key:
         return json.loads(out.read_text())
-    for earlier in known if isinstance(known, list) else [known]:
+    for earlier in known:
         if earlier and earlier.get("key") == key:
             return earlier
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -412,7 +413,7 @@ def run_study(cfg) -> dict:
         evals[f"teacher/{name}"] = evaluate(
             cfg, work, f"teacher-{name}", ["--load", str(first.teacher_ckpt), "--tokenizer-model",
                                            str(first.teacher_hf)], data[name], "teacher",
-            evals.get(f"teacher/{name}"))
+            [evals.get(f"teacher/{name}")])
     extras = {t for v in cfg.variants_to_run for t in teacher_names(cfg, cfg.variants[v])[1:]}
     for model in teacher_models(cfg, first, sorted(extras)):  # the other teachers of the runs
         for name in heldouts:
@@ -420,7 +421,7 @@ def run_study(cfg) -> dict:
             evals[key] = evaluate(
                 cfg, work, key.replace("/", "-"), ["--load", str(model.teacher_ckpt),
                                                    "--tokenizer-model", str(model.teacher_hf)],
-                data[name], "teacher", evals.get(key))
+                data[name], "teacher", [evals.get(key)])
     for seed in cfg.seeds:  # seed-major: every variant of seed 1 first (early paired results)
         pair = pairs[seed]
         for name in heldouts:

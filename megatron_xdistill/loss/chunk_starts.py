@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import TINY
+from .common import TINY, chunk_lengths
 from .payload import TeacherPayload
 
 
@@ -33,11 +33,7 @@ def chunk_start_ids(chunk_id: torch.Tensor) -> torch.Tensor:
 def single_teacher_token_chunks(teacher_chunk_id: torch.Tensor, num_chunks: int
                                 ) -> torch.Tensor:
     """[B, C] chunks of exactly one teacher token, from the unshifted teacher chunk ids."""
-    slot = torch.where(teacher_chunk_id >= 0, teacher_chunk_id, num_chunks).to(torch.int64)
-    counts = torch.zeros(teacher_chunk_id.shape[0], num_chunks + 1, dtype=torch.int64,
-                         device=teacher_chunk_id.device)
-    counts.scatter_add_(1, slot, torch.ones_like(slot))
-    return counts[:, :num_chunks] == 1
+    return chunk_lengths(teacher_chunk_id, num_chunks) == 1
 
 
 def merge_into_heads(payload: TeacherPayload, heads: torch.Tensor, unreached: int

@@ -62,3 +62,11 @@ def common_vocab_from_dense(projection: torch.Tensor, mode: str) -> tuple[torch.
 def gold_uncommon_len(vs: int, vt: int, n_common: int, cap: int) -> int:
     """How many sorted uncommon probabilities the gold L1 term compares (shorter side, capped)."""
     return max(0, min(vs - n_common, vt - n_common, cap))
+
+
+def chunk_lengths(chunk_id: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """[B, C] tokens per chunk, from unshifted chunk ids [B, T] (-1: no chunk)."""
+    slot = torch.where(chunk_id >= 0, chunk_id, num_chunks).to(torch.int64)
+    counts = torch.zeros(chunk_id.shape[0], num_chunks + 1, dtype=torch.int64,
+                         device=chunk_id.device)
+    return counts.scatter_add_(1, slot, torch.ones_like(slot))[:, :num_chunks]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from .collectives import Group, all_reduce
-from .common import predicting_chunk_id
+from .common import chunk_lengths, predicting_chunk_id
 from .student import KDTerms
 
 
@@ -46,12 +46,8 @@ def student_split_chunks(student_chunk_id: torch.Tensor, teacher_chunk_id: torch
     the chunk projects to (W maps a student token to the teacher tokens that spell it), so
     their KL stays high and its gradient favours other spellings of the text than the
     student's own."""
-    def lengths(ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(ids.shape[0], num_chunks + 1, dtype=torch.int64, device=ids.device)
-        slot = torch.where(ids >= 0, ids, num_chunks).to(torch.int64)
-        return out.scatter_add_(1, slot, torch.ones_like(slot))[:, :num_chunks]
-
-    return lengths(student_chunk_id) > lengths(teacher_chunk_id)
+    return chunk_lengths(student_chunk_id, num_chunks) > chunk_lengths(teacher_chunk_id,
+                                                                       num_chunks)
 
 
 def global_sums(terms: KDTerms, dp_cp_group: Group) -> dict[str, torch.Tensor]:

@@ -133,7 +133,7 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     tracked = tracked_iteration(root)
     found = sorted((int(m.group(1)), m.group(0)) for m in
-                   (re.fullmatch(r"iter_(\d{7})", name) for name in os.listdir(root)) if m)
+                   (re.fullmatch(r"iter_(\d{7,})", name) for name in os.listdir(root)) if m)
     removed = []
     for iteration, name in found[:-keep_last]:
         if iteration == tracked:

@@ -236,9 +236,9 @@ def first_token_heads_of(matrix, student_tokenizer: str, teacher_tokenizer: str,
 
     heads = torch.from_numpy(first_token_heads(load_tokenizer(student_tokenizer),
                                                load_tokenizer(teacher_tokenizer), teacher_vocab))
-    reached = torch.zeros(max(teacher_vocab, len(heads)), dtype=torch.bool)
+    reached = torch.zeros(teacher_vocab, dtype=torch.bool)  # W fits it (checked on load)
     reached[matrix.indices[matrix.indices >= 0]] = True
-    free = torch.nonzero(~reached[:teacher_vocab]).flatten()
+    free = torch.nonzero(~reached).flatten()
     if not len(free):
         raise ValueError("--kd-first-token needs a teacher id that no student token projects "
                          "to (W reaches every teacher id); the projection is not of a "
