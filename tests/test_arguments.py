@@ -72,6 +72,10 @@ def test_gkd_beta_reaches_each_teachers_view(base, tmp_path):
     (["--eval-interval", "5"], 1, r"--eval-interval needs --valid-data-path or --split"),
     (["--gkd-beta", "1.5"], 1, r"--gkd-beta 1.5 must be in \[0, 1\]"),
     (["--gkd-beta", "0.5", "--kd-reverse"], 1, r"--kd-reverse is --gkd-beta 1; drop one"),
+    (["--samples-per-epoch", "4"], 1,
+     r"--samples-per-epoch 4 must be at least --global-batch-size 8"),
+    (["--on-policy", "--samples-per-epoch", "8"], 1,
+     r"--on-policy trains on the student's own rollouts .*: drop --samples-per-epoch"),
 ])
 def test_bad_layouts_and_sizes_are_named(base, extra, world, message):
     with pytest.raises(ValueError, match=message):

@@ -275,6 +275,21 @@ def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(e2e_setu
                          and r["payload_bytes_per_token"] == 0 for r in steps)
 
 
+def test_samples_per_epoch_repeats_the_plan(e2e_setup, e2e_reference, e2e_pool):
+    """--samples-per-epoch 4 (one global batch) and --lr 0: every step trains on the same four
+    samples with the same weights, so each step's losses are the reference's first step (a plan
+    of train-iters x global-batch samples would show new text at steps 2 and 3)."""
+    root, s_tok, t_tok = e2e_setup
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "one_sample_epoch", [
+        "--samples-per-epoch", "4", "--lr", "0", "--tensor-model-parallel-size", "2"]))
+    losses = _losses(root, "one_sample_epoch")
+    assert len(losses) == STEPS
+    for step, (kd, ce) in enumerate(losses, 1):
+        assert kd == pytest.approx(e2e_reference[0][0], rel=RTOL), f"step {step} kd"
+        assert ce == pytest.approx(e2e_reference[0][1], rel=RTOL), f"step {step} ce"
+    assert e2e_reference[1] != pytest.approx(e2e_reference[0], rel=1e-3)  # new text differs
+
+
 @pytest.mark.slow
 def test_ray_launcher_matches_torchrun(e2e_setup):
     """xdistill-ray on a two-node local Ray cluster gives torchrun's losses (world size 4)."""

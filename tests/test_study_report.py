@@ -111,3 +111,21 @@ def test_a_second_held_out_set_leaves_the_in_loop_set_and_the_runs_as_they_were(
     variant = dict(cfg.variants["pkl"])
     assert study._options(cfg, two, variant, 1) == study._options(cfg, one, variant, 1)
     assert study._options(cfg, two, variant, 1)["valid-data-path"] == "s.jsonl"
+
+
+def test_a_small_set_variant_trains_in_passes_over_its_own_cache():
+    """``samples_per_epoch``: the run packs that many samples and passes over them for the same
+    steps; its teacher cache is its own (another plan), the other variants' options are as they
+    were (no --samples-per-epoch: their stamps stay)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.load(Path(study.HERE) / "study.yaml"), {"experiment": "real"})
+    data = {"train": Path("t.jsonl"), "stdlib": Path("s.jsonl")}
+    small, full = dict(cfg.variants["pkl_ep3"]), dict(cfg.variants["pkl"])
+    options = study._options(cfg, data, small, 1)
+    assert options["samples-per-epoch"] == 200
+    assert options["train-iters"] == cfg.real.steps
+    assert options["train-iters"] * options["global-batch-size"] == 3 * 200
+    assert "samples-per-epoch" not in study._options(cfg, data, full, 1)
+    assert study._form(cfg, small, 1) == study._form(cfg, full, 1) + "-plan200"
+    assert study._form(cfg, dict(cfg.variants["ce_ep3"]), 1).endswith("-plan200")

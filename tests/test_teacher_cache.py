@@ -100,6 +100,28 @@ def test_teacher_only_pass_interrupted_and_resumed(e2e_setup, e2e_pool, online_c
     assert_losses_match(_losses(root, "cache_read_filled"), online_cache[1], "teacher-only pass")
 
 
+def test_epochs_over_the_cache(e2e_setup, e2e_pool, online_cache):
+    """Twice the cache's steps at --lr 0: the second pass reads the same payloads for the same
+    samples (steps 4..6 equal steps 1..3) and the first step is the online run's. A
+    --samples-per-epoch that differs from the cache's plan is refused with both sizes."""
+    root, s_tok, t_tok = e2e_setup
+    cache, online_tp2 = online_cache
+    held = STEPS * 4
+    argv = _reader_argv(root, s_tok, t_tok, "cache_two_epochs", STUDENT_TP2 + [
+        "--teacher-cache", str(cache), "--samples-per-epoch", str(held), "--lr", "0"])
+    argv[argv.index("--train-iters") + 1] = str(2 * STEPS)
+    e2e_pool.run(_run_main, argv)
+    losses = [value for step in _losses(root, "cache_two_epochs") for value in step]  # kd, ce
+    assert len(losses) == 2 * 2 * STEPS
+    assert losses[:2] == pytest.approx(online_tp2[0], rel=EXACT)
+    assert losses[2 * STEPS:] == pytest.approx(losses[:2 * STEPS], rel=EXACT)
+    assert losses[2:4] != pytest.approx(losses[:2], rel=1e-3)  # each step of a pass is new text
+    argv[argv.index("--samples-per-epoch") + 1] = str(held - 4)
+    with pytest.raises(RankError, match=f"--samples-per-epoch {held - 4} differs from the plan "
+                       f"of the complete teacher cache .* \\({held} samples\\)"):
+        e2e_pool.run(_run_main, argv)
+
+
 @pytest.mark.parametrize("change,field", [
     (["--kd-temperature", "2.0"], "payload.temperature: cache 1.0, this run 2.0"),
     pytest.param(["--teacher-seq-length", "48"], "data.teacher_seq_length: cache 40, this run 48",

@@ -171,10 +171,17 @@ def _options(cfg, data: dict, variant: dict, seed: int) -> dict:
         # signal: one data order for every seed (the seed is the student's initialisation)
         "seed": 1234 if cfg.experiment == "signal" else seed,
         "kd-loss": variant["kd_loss"], "kd-weight": variant["kd_weight"],
-        "ce-weight": variant["ce_weight"], **_kd(cfg, variant),
+        "ce-weight": variant["ce_weight"], **_kd(cfg, variant), **_epochs(variant),
         "eval-interval": exp.eval_interval, "eval-iters": exp.eval_iters,
         "log-interval": 10, "num-workers": 1,
     }
+
+
+def _epochs(variant: dict) -> dict:
+    """A variant's ``samples_per_epoch``: its steps make passes over that many samples (the
+    same text again, as when fine-tuning on a small set) instead of new text every step."""
+    n = variant.get("samples_per_epoch")
+    return {} if n is None else {"samples-per-epoch": int(n)}
 
 
 def _kd(cfg, variant: dict) -> dict:
@@ -198,8 +205,9 @@ def _form(cfg, variant: dict, seed: int) -> str:
     """The payload form of a variant (what its teacher cache holds)."""
     order = "" if cfg.experiment == "signal" else f"-seed{seed}"
     kd = _kd(cfg, variant)
+    plan = _epochs(variant).get("samples-per-epoch")
     return (f"{variant['kd_loss']}-top{kd['kd-topk']}{kd['kd-topk-mode']}"
-            f"-T{kd['kd-temperature']}{order}")
+            f"-T{kd['kd-temperature']}{order}{'' if plan is None else f'-plan{plan}'}")
 
 
 def _cache_dir(cfg, work: Path, variant: dict, seed: int) -> Path:

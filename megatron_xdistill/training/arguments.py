@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "percentile of the teacher / student token ratio on a sample of the "
                    "documents times --seq-length, so little of the teacher's forward is "
                    "spent on padding)")
+    g.add_argument("--samples-per-epoch", type=int, default=None, metavar="N",
+                   help="pack the training data into N samples and train in passes over them "
+                   "(epochs, the same samples in the same order each pass) when --train-iters x "
+                   "--global-batch-size is larger: fine-tuning on a small set for several "
+                   "epochs. Default: --train-iters x --global-batch-size (one pass, new text "
+                   "every step). A complete teacher cache holds its own plan: N must match it")
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
     g.add_argument("--data-cache-path", default=None,
                    help="where packing plans are cached (default: <save>/data_cache, else "
@@ -254,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher-cache-only", action="store_true",
                    help="fill --teacher-cache and exit: no student is built, every rank serves "
                    "the teacher (its layout spans the world); resumes where a killed pass "
-                   "stopped. The plan has --train-iters x --global-batch-size samples")
+                   "stopped. The plan has --samples-per-epoch (default --train-iters x "
+                   "--global-batch-size) samples")
     g.add_argument("--teacher-cache-shard-mib", type=int, default=256,
                    help="size of the cache's shard files (each is committed atomically)")
     g.add_argument("--teacher-cache-commit-seconds", type=float, default=120.0,
@@ -392,6 +399,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            "(as in Megatron-LM)")
     _check(0 <= args.sgd_momentum < 1, f"--sgd-momentum {args.sgd_momentum} must be in [0, 1)")
     _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")
+    _check(args.samples_per_epoch is None or args.samples_per_epoch >= args.global_batch_size,
+           f"--samples-per-epoch {args.samples_per_epoch} must be at least --global-batch-size "
+           f"{args.global_batch_size} (one step's samples)")
+    _check(args.samples_per_epoch is None or not getattr(args, "on_policy", False),
+           "--samples-per-epoch sizes the packed training plan; --on-policy trains on the "
+           "student's own rollouts of the prompts instead: drop --samples-per-epoch")
     if args.lr_warmup_fraction is not None:
         _check(args.lr_warmup_iters == 0,
                "give --lr-warmup-iters or --lr-warmup-fraction, not both")

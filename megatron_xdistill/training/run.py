@@ -231,8 +231,10 @@ def _plan(args, numbering, tokenizers, num_samples: int, what: str, loaded=None)
 
 
 def _plan_size(args) -> int:
-    """Samples of the training plan: --train-iters x --global-batch-size, or the plan of the
-    teachers' complete caches (which must agree), which a run reading them trains on."""
+    """Samples of the training plan (training wraps around it): --samples-per-epoch, default
+    --train-iters x --global-batch-size, or the plan of the teachers' complete caches (which
+    must agree with each other and with --samples-per-epoch), which a run reading them trains
+    on."""
     from megatron_xdistill.teacher_cache import TeacherCache
 
     sizes = {}
@@ -244,7 +246,15 @@ def _plan_size(args) -> int:
     if len(set(sizes.values())) > 1:
         raise SystemExit(f"the teachers' complete caches hold plans of different sizes "
                          f"({sizes}): they were not filled for the same run; refill one")
-    return next(iter(sizes.values())) if sizes else args.train_iters * args.global_batch_size
+    wanted = args.samples_per_epoch
+    if sizes and wanted is not None and wanted not in sizes.values():
+        path, held = next(iter(sizes.items()))
+        raise SystemExit(f"--samples-per-epoch {wanted} differs from the plan of the complete "
+                         f"teacher cache {path} ({held} samples): give --samples-per-epoch "
+                         f"{held} (or drop it), or fill a new cache for {wanted} samples")
+    if sizes:
+        return next(iter(sizes.values()))
+    return wanted if wanted is not None else args.train_iters * args.global_batch_size
 
 
 def _teacher_lengths(args) -> list[int]:
