@@ -96,7 +96,7 @@ def _derive_teacher_lengths(args, documents, tokenizers) -> list[int]:
     tokenizer, else derived from the data (rank 0, which holds the documents; :func:`_corpus`
     hands the lengths to the others)."""
     from megatron_xdistill.data.lengths import teacher_length_from_data
-    from megatron_xdistill.training.arguments import sequence_multiple
+    from megatron_xdistill.training.argument_checks import sequence_multiple
 
     lengths = []
     several = len(args.teachers) > 1
@@ -124,7 +124,7 @@ def _derive_teacher_lengths(args, documents, tokenizers) -> list[int]:
 def _set_teacher_lengths(args, lengths: list[int]) -> None:
     """Record each teacher's length in its spec (``--teacher-seq-length``: the first's),
     checked against its layout."""
-    from megatron_xdistill.training.arguments import check_sequence_length
+    from megatron_xdistill.training.argument_checks import check_sequence_length
 
     args.teachers = [spec.with_seq_length(n) for spec, n in zip(args.teachers, lengths,
                                                                 strict=True)]
@@ -279,7 +279,7 @@ def _share(args, numbering, plan, samples, loaded=None):
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the process exit code. Arguments are parsed and checked first
     (``--help`` and every argument error come before torch.distributed or Megatron start)."""
-    from megatron_xdistill.training.arguments import parse_args
+    from megatron_xdistill.training.argument_checks import parse_args
 
     started = time.monotonic()
     world = dist.get_world_size() if dist.is_initialized() else int(
