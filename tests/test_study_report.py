@@ -129,3 +129,18 @@ def test_a_small_set_variant_trains_in_passes_over_its_own_cache():
     assert "samples-per-epoch" not in study._options(cfg, data, full, 1)
     assert study._form(cfg, small, 1) == study._form(cfg, full, 1) + "-plan200"
     assert study._form(cfg, dict(cfg.variants["ce_ep3"]), 1).endswith("-plan200")
+
+
+def test_a_smaller_payload_topk_reads_the_shared_cache():
+    """pkl_k8 reads the shared top-64 cache (narrowed on read: no teacher pass of its own) and
+    still trains at top-8; top-512 and all of V_t need caches of their own."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.load(Path(study.HERE) / "study.yaml"), {"experiment": "real"})
+    data = {"train": Path("t.jsonl"), "stdlib": Path("s.jsonl")}
+    k8, pkl = dict(cfg.variants["pkl_k8"]), dict(cfg.variants["pkl"])
+    assert study._form(cfg, study._cache_variant(cfg, k8), 1) == study._form(cfg, pkl, 1)
+    assert study._options(cfg, data, k8, 1)["kd-topk"] == 8
+    for big in ("pkl_k512", "pkl_full", "pkl_t2"):
+        variant = dict(cfg.variants[big])
+        assert study._cache_variant(cfg, variant) == variant

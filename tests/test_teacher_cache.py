@@ -122,8 +122,22 @@ def test_epochs_over_the_cache(e2e_setup, e2e_pool, online_cache):
         e2e_pool.run(_run_main, argv)
 
 
+def test_a_smaller_chunk_topk_reads_the_cache(e2e_setup, e2e_pool, online_cache):
+    """A run at --kd-topk 8 reads the top-16 cache (each chunk's first 8 columns, the rest in
+    the tail) and trains like the online top-8 run (the tail's sum order differs: rel 1e-5)."""
+    root, s_tok, t_tok = e2e_setup
+    cache, _ = online_cache
+    top8 = STUDENT_TP2 + ["--kd-topk", "8"]
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "online_top8", top8))
+    e2e_pool.run(_run_main, _reader_argv(root, s_tok, t_tok, "cache_read_top8",
+                                         top8 + ["--teacher-cache", str(cache)]))
+    _same(_losses(root, "cache_read_top8"), _losses(root, "online_top8"), "top-8 from top-16",
+          rel=1e-5)
+
+
 @pytest.mark.parametrize("change,field", [
     (["--kd-temperature", "2.0"], "payload.temperature: cache 1.0, this run 2.0"),
+    (["--kd-topk", "32"], "payload.topk: cache 16, this run 32"),  # more than it holds
     pytest.param(["--teacher-seq-length", "48"], "data.teacher_seq_length: cache 40, this run 48",
                  marks=pytest.mark.slow),  # 37 s; the refusal by field stays in the default run
     pytest.param(["--bf16"], "teacher.precision: cache 'fp32', this run 'bf16'",

@@ -204,3 +204,63 @@ def test_checkpoint_fingerprint_follows_files_and_metadata(tmp_path):
     assert checkpoint_fingerprint(tmp_path) != second
     with pytest.raises(CacheError, match="is not a directory"):
         checkpoint_fingerprint(tmp_path / "nope")
+
+
+def _chunk_topk(mean: torch.Tensor, k: int, has: torch.Tensor):
+    """Dense reference: each chunk's k most probable columns and the rest's mass (fp64)."""
+    from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+
+    vals, cols = mean.topk(k, dim=-1)
+    rest = mean.double().exp().sum(-1) - vals.double().exp().sum(-1)
+    zero = lambda t: torch.where(has[..., None] if t.dim() == 3 else has, t, 0)  # noqa: E731
+    return TeacherPayload(PayloadSpec("chunk_topk", mean.shape[1], k), zero(vals), has,
+                          zero(cols), zero(rest.log().float()))
+
+
+def test_a_chunk_topk_payload_narrows_to_what_a_smaller_k_ships():
+    """The first k of a top-K payload's columns and its tail grown by the dropped mass equal
+    the top-k payload computed from the dense chunk distributions (rows without a teacher stay
+    zeros); other forms and larger k are refused."""
+    torch.manual_seed(0)
+    mean = torch.randn(2, 5, 300).mul(3).log_softmax(-1)
+    has = torch.tensor([[True, True, False, True, True], [True] * 5])
+    got = _chunk_topk(mean, 16, has).narrowed(4)
+    want = _chunk_topk(mean, 4, has)
+    assert got.spec == want.spec
+    assert torch.equal(got.columns, want.columns) and torch.equal(got.logprobs, want.logprobs)
+    assert torch.allclose(got.tail_logprob, want.tail_logprob, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got.tail_logprob[~has], torch.zeros(1))
+    with pytest.raises(ValueError, match="cannot narrow a top-4 payload to top-8"):
+        want.narrowed(8)
+    from megatron_xdistill.teacher_cache.narrowing import Narrowing
+
+    big = _chunk_topk(mean, 16, has)
+    flat = torch.cat([big.to_flat(), torch.tensor([[7.0], [8.0]])], 1)  # + a trailing extra
+    rows = Narrowing(big.spec, want.spec, extra=1)(flat)
+    assert torch.allclose(rows, torch.cat([want.to_flat(), flat[:, -1:]], 1), atol=1e-6)
+
+
+def test_a_reading_run_at_a_smaller_chunk_topk_is_narrowed_else_refused():
+    """The key check lets a reader take fewer chunk top-k columns than the cache holds (its
+    rows narrowed on read), never more, and never another form."""
+    from megatron_xdistill.loss.payload import PayloadSpec
+    from megatron_xdistill.teacher_cache.narrowing import narrowing
+
+    def key(form, topk, extra=0):
+        numel = PayloadSpec(form, 9, topk).numel + extra
+        return {"data": {"seq_length": 8}, "payload": {"form": form, "topk": topk,
+                                                       "numel": numel}}
+
+    held = key("chunk_topk", 64)
+    plan = narrowing(held, key("chunk_topk", 8), held["payload"]["numel"])
+    assert plan is not None and plan.run.width == 8 and plan.extra == 0
+    check_key("c", Manifest(held, {}, 4, held["payload"]["numel"], True), key("chunk_topk", 8),
+              reading=True, narrowed=True)
+    select = key("chunk_topk", 64, extra=1)  # several teachers' selection CE rides along
+    assert narrowing(select, key("chunk_topk", 8, extra=1), select["payload"]["numel"]).extra == 1
+    assert narrowing(held, key("chunk_topk", 128), held["payload"]["numel"]) is None
+    assert narrowing(held, key("topk", 8), held["payload"]["numel"]) is None
+    assert narrowing(select, key("chunk_topk", 8), select["payload"]["numel"]) is None
+    with pytest.raises(CacheError, match="payload.topk: cache 64, this run 128"):
+        check_key("c", Manifest(held, {}, 4, held["payload"]["numel"], True),
+                  key("chunk_topk", 128), reading=True)

@@ -210,6 +210,18 @@ def _form(cfg, variant: dict, seed: int) -> str:
             f"-T{kd['kd-temperature']}{order}{'' if plan is None else f'-plan{plan}'}")
 
 
+def _cache_variant(cfg, variant: dict) -> dict:
+    """The variant whose teacher cache ``variant`` reads: a chunk top-k below the shared
+    ``kd.topk`` (same temperature) reads the shared cache, narrowed on read, so the payload
+    top-k knob costs no teacher pass."""
+    own, shared = _kd(cfg, variant), _kd(cfg, {})
+    if (own["kd-topk-mode"] == shared["kd-topk-mode"] == "chunk"
+            and own["kd-temperature"] == shared["kd-temperature"]
+            and 0 < own["kd-topk"] < shared["kd-topk"]):
+        return {**variant, "topk": shared["kd-topk"]}
+    return variant
+
+
 def _cache_dir(cfg, work: Path, variant: dict, seed: int) -> Path:
     return work / "teacher_cache" / _form(cfg, variant, seed)
 
@@ -317,7 +329,7 @@ def train_run(cfg, work: Path, pair: ModelPair, data: dict, name: str, seed: int
                "data-cache-path": str(work / "data_cache"), "save": str(run_dir / "ckpt"),
                "save-interval": cfg.save_interval, "keep-last-checkpoints": 1}
     if variant["kd_weight"] > 0:
-        options.update(teacher_pass(cfg, work, pair, data, variant, seed))
+        options.update(teacher_pass(cfg, work, pair, data, _cache_variant(cfg, variant), seed))
     stamp = run_dir / "settings.json"
     settings = {"options": options, "student": str(pair.student_ckpt)}
     if stamp.is_file() and _deciding(json.loads(stamp.read_text())) != _deciding(settings):

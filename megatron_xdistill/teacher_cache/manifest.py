@@ -114,9 +114,14 @@ def key_differences(cached: dict, run: dict, ignore: tuple[str, ...] = ()) -> li
     return lines
 
 
-def check_key(root: str | os.PathLike, manifest: Manifest, run_key: dict, reading: bool) -> None:
-    """Refuse a cache made for another configuration, naming every differing field."""
-    diff = key_differences(manifest.key, run_key, READER_FREE if reading else ())
+def check_key(root: str | os.PathLike, manifest: Manifest, run_key: dict, reading: bool,
+              narrowed: bool = False) -> None:
+    """Refuse a cache made for another configuration, naming every differing field.
+    ``narrowed``: the reading run takes fewer of a chunk top-k cache's columns (see
+    :mod:`.narrowing`), so its top-k and payload size may be smaller."""
+    free = (READER_FREE + (("payload.topk", "payload.numel") if narrowed else ())
+            if reading else ())
+    diff = key_differences(manifest.key, run_key, free)
     if diff:
         raise CacheError(
             f"teacher cache {root} was made for another configuration:\n  " + "\n  ".join(diff)

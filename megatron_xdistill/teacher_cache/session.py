@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .manifest import Manifest, check_key, load_manifest, save_manifest
+from .narrowing import Narrowing, narrowing
 from .store import (
     COMMIT_SECONDS,
     CacheError,
@@ -42,6 +43,7 @@ class TeacherCache:
         self.writer: ShardWriter | None = None
         self.reader: ShardReader | None = None
         self.run_key: dict | None = None
+        self.narrowing: Narrowing | None = None  # a run at a smaller chunk top-k than held
 
     @property
     def reading(self) -> bool:
@@ -51,7 +53,10 @@ class TeacherCache:
         """Refuse a cache made for another configuration (every rank, before any collective,
         so that all ranks fail alike); a new cache takes this run's key."""
         if self.manifest is not None:
-            check_key(self.root, self.manifest, run_key, reading=self.reading)
+            if self.reading:
+                self.narrowing = narrowing(self.manifest.key, run_key, self.manifest.numel)
+            check_key(self.root, self.manifest, run_key, reading=self.reading,
+                      narrowed=self.narrowing is not None)
         self.run_key = run_key
 
     def attach(self, teacher_model: dict, num_samples: int, numel: int, rank: int,
@@ -59,7 +64,10 @@ class TeacherCache:
                shard_bytes: int = 256 << 20, commit_seconds: float = COMMIT_SECONDS) -> None:
         """Collective: rank 0 writes a new cache's manifest; then this rank opens its shard
         writer (a teacher rank that sends payloads) or reader (a student's last stage)."""
-        if self.manifest is not None and self.manifest.numel != numel:
+        held = self.manifest.numel if self.manifest is not None else None
+        if self.narrowing is not None and numel == self.narrowing.run_numel:
+            held = numel  # rows are narrowed as they are read
+        if held is not None and held != numel:
             raise CacheError(f"teacher cache {self.root} holds payloads of "
                              f"{self.manifest.numel} values, this run needs {numel}")
         if self.manifest is None and rank == 0:
@@ -71,7 +79,7 @@ class TeacherCache:
             raise CacheError(f"rank {rank}: {self.root / 'manifest.json'} missing after rank 0 "
                              f"wrote it (is {self.root} on a file system every rank sees?)")
         if self.reading and reader:
-            self.reader = ShardReader(self.root, numel)
+            self.reader = ShardReader(self.root, self.manifest.numel)
         if not self.reading and writer:
             self.writer = ShardWriter(self.root, rank, numel, shard_bytes, commit_seconds)
 
@@ -91,7 +99,11 @@ class TeacherCache:
             return {}
         rows = self.reader.read((samples[p]["index"], sample_check(samples[p], self.teacher))
                                 for p in positions)
-        return {p: rows[samples[p]["index"]].to(device) for p in positions}
+        out = {p: rows[samples[p]["index"]].to(device) for p in positions}
+        if self.narrowing is not None and out:
+            narrowed = self.narrowing(torch.stack([out[p] for p in positions]))
+            out = dict(zip(positions, narrowed.unbind(0), strict=True))
+        return out
 
     def flush(self) -> None:
         """Commit the queued rows (before a checkpoint: every step it covers is on disk)."""
