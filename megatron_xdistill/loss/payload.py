@@ -137,20 +137,21 @@ class TeacherPayload:
     def narrowed(self, k: int) -> TeacherPayload:
         """A chunk top-k payload cut to its ``k`` most probable columns per chunk: the columns
         are held in descending order, so these are what a top-``k`` teacher ships, and the
-        dropped columns' mass joins the tail (summed in fp64). Rows without a teacher stay
+        dropped columns' mass joins the tail. Rows without a teacher stay
         zeros. Lets a cache filled at a large k serve any smaller one."""
         if self.spec.form != "chunk_topk":
             raise ValueError(f"only chunk top-k payloads can be narrowed, not {self.spec.form!r}")
         if not 0 < k <= self.spec.width:
             raise ValueError(f"cannot narrow a top-{self.spec.width} payload to top-{k}")
-        dropped = self.logprobs[..., k:].double()
-        tail = torch.logaddexp(self.tail_logprob.double(), dropped.logsumexp(-1))
-        tail = torch.where(self.has_teacher, tail, self.tail_logprob.double())
+        # log-probs are <= 0: their exp cannot overflow (fp32 sum, as the teacher's own tail)
+        dropped = self.logprobs[..., k:].exp().sum(-1)
+        tail = (self.tail_logprob.exp() + dropped).log()
+        tail = torch.where(self.has_teacher, tail, self.tail_logprob)
         return TeacherPayload(
             spec=PayloadSpec("chunk_topk", self.spec.num_chunks, k),
             logprobs=self.logprobs[..., :k].contiguous(), has_teacher=self.has_teacher,
             columns=self.columns[..., :k].contiguous(),
-            tail_logprob=tail.to(self.tail_logprob.dtype))
+            tail_logprob=tail)
 
     def select(self, samples: torch.Tensor | list[int]) -> TeacherPayload:
         """The payload of a subset of samples (rows in the given order)."""
