@@ -122,6 +122,32 @@ def test_epochs_over_the_cache(e2e_setup, e2e_pool, online_cache):
         e2e_pool.run(_run_main, argv)
 
 
+def test_a_cache_filled_over_several_epochs_holds_each_sample_once(e2e_setup, e2e_reference,
+                                                                  e2e_pool, tmp_path):
+    """An online run over three passes of a one-batch plan (--samples-per-epoch 4) and a
+    teacher-only pass for that plan each leave a complete cache of the 4 samples, each row
+    once; a run reading it at --lr 0 sees the reference's first batch at every step."""
+    import pyarrow as pa
+
+    root, s_tok, t_tok = e2e_setup
+    epochs = ["--samples-per-epoch", "4"]
+    online, filled = tmp_path / "online", tmp_path / "filled"
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "unused_online", STUDENT_TP2 + epochs + [
+        "--teacher-cache", str(online), "--teacher-cache-commit-seconds", "1e-9"]))  # a shard a row
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "unused_fill", epochs + [
+        "--teacher-cache", str(filled), "--teacher-cache-only"]))
+    for cache in (online, filled):
+        manifest = json.loads((cache / "manifest.json").read_text())
+        assert manifest["complete"] and manifest["num_samples"] == 4
+        ids = [i for shard in sorted((cache / "shards").iterdir())
+               for i in pa.ipc.open_file(shard).read_all().column("sample").to_pylist()]
+        assert sorted(ids) == [0, 1, 2, 3], f"{cache.name}: rows {ids}"
+    e2e_pool.run(_run_main, _reader_argv(root, s_tok, t_tok, "cache_read_epochs", STUDENT_TP2
+                                         + epochs + ["--teacher-cache", str(filled), "--lr", "0"]))
+    for step, (kd, ce) in enumerate(_losses(root, "cache_read_epochs"), 1):
+        assert (kd, ce) == pytest.approx(e2e_reference[0], rel=1e-5), f"step {step}"
+
+
 def test_a_smaller_chunk_topk_reads_the_cache(e2e_setup, e2e_pool, online_cache):
     """A run at --kd-topk 8 reads the top-16 cache (each chunk's first 8 columns, the rest in
     the tail) and trains like the online top-8 run (the tail's sum order differs: rel 1e-5)."""

@@ -264,3 +264,48 @@ def test_a_reading_run_at_a_smaller_chunk_topk_is_narrowed_else_refused():
     with pytest.raises(CacheError, match="payload.topk: cache 64, this run 128"):
         check_key("c", Manifest(held, {}, 4, held["payload"]["numel"], True),
                   key("chunk_topk", 128), reading=True)
+
+
+def test_a_teacher_pass_covers_the_plan_once_whatever_the_epochs(monkeypatch):
+    """``--teacher-cache-only`` with --samples-per-epoch 8 (two steps of 4) and --train-iters 6:
+    the teacher runs over the plan's two steps, not six (later epochs repeat the samples)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_xdistill.parallel.shape import ParallelLayout
+    from megatron_xdistill.training.teacher_cache_run import fill_teacher_cache
+
+    seen = []
+    layout = ParallelLayout(tp=1, pp=1, cp=1, dp=1)
+    distiller = SimpleNamespace(
+        lanes=[SimpleNamespace(groups=SimpleNamespace(coords={"dp": 0}), layout=layout)],
+        student_layout=layout, step=0, times=SimpleNamespace(reset=lambda: {"time_teacher": 0}),
+        train_step=lambda batch: seen.append(sorted(s["index"] for s in batch.values())),
+        close=lambda: None)
+    cache = SimpleNamespace(first_incomplete_step=lambda gbs: 0,
+                            close=lambda rank, barrier, log: True)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    args = SimpleNamespace(global_batch_size=4, micro_batch_size=1, num_workers=0,
+                           train_iters=6, log_interval=1, exit_interval=None)
+    dataset = [{"index": i} for i in range(8)]
+    assert fill_teacher_cache(args, distiller, [cache], dataset, log=lambda m: None) == 0
+    assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_later_epoch_does_not_write_a_held_sample_again(tmp_path):
+    """An online run over several epochs records each sample's payload once (a repeat would
+    land in another shard as a duplicate row)."""
+    cache = TeacherCache(tmp_path / "c")
+    cache.check({"k": 1})
+    cache.attach({}, 2, NUMEL, rank=0, writer=True, reader=False, barrier=lambda: None)
+    import pyarrow as pa
+
+    steps = [[0], [1], [0, 1]]  # epoch 1 in two steps, epoch 2 in one: other shard bounds
+    for step in steps:
+        cache.record({i: _sample(i) for i in step}, {i: _payload(i) for i in step})
+        cache.flush()
+    rows = [i for s in list_shards(tmp_path / "c")
+            for i in pa.ipc.open_file(s.path).read_all().column("sample").to_pylist()]
+    assert sorted(rows) == [0, 1]

@@ -44,6 +44,7 @@ class TeacherCache:
         self.reader: ShardReader | None = None
         self.run_key: dict | None = None
         self.narrowing: Narrowing | None = None  # a run at a smaller chunk top-k than held
+        self._recorded: set[int] = set()  # samples this rank queued (later epochs repeat them)
 
     @property
     def reading(self) -> bool:
@@ -90,6 +91,9 @@ class TeacherCache:
             return
         for position, payload in payloads.items():
             sample = samples[position]
+            if sample["index"] in self._recorded:  # a later epoch: the row is held already
+                continue
+            self._recorded.add(sample["index"])
             self.writer.add(sample["index"], sample_check(sample, self.teacher), payload)
 
     def fetch(self, samples: Mapping[int, dict], positions, device: torch.device

@@ -77,6 +77,7 @@ def fill_teacher_cache(args, distiller, caches, dataset, log=print) -> int:
     from megatron_xdistill.data.loader import StepBatches, StepSampler
 
     gbs = args.global_batch_size
+    plan_steps = -(-len(dataset) // gbs)  # one pass over the plan (--samples-per-epoch)
     for lane, cache in zip(distiller.lanes, caches, strict=True):
         lane.fill_from = cache.first_incomplete_step(gbs)
     start = min(lane.fill_from for lane in distiller.lanes)
@@ -89,13 +90,13 @@ def fill_teacher_cache(args, distiller, caches, dataset, log=print) -> int:
         log(f"> teacher cache: resuming at step {start + 1} ({start * gbs} samples held)")
     last = time.perf_counter()
     try:
-        for step in range(start, args.train_iters):
+        for step in range(start, plan_steps):
             distiller.train_step(next(steps))
             done = step + 1
-            if done % args.log_interval == 0 or done == args.train_iters:
+            if done % args.log_interval == 0 or done == plan_steps:
                 now = time.perf_counter()
-                log(f"teacher cache step {done}/{args.train_iters} | samples "
-                    f"{done * gbs}/{args.train_iters * gbs} | "
+                log(f"teacher cache step {done}/{plan_steps} | samples "
+                    f"{min(done * gbs, len(dataset))}/{len(dataset)} | "
                     f"{args.log_interval * gbs / (now - last):.2f} samples/s | time_teacher "
                     f"{distiller.times.reset()['time_teacher']:.2f} s")
                 last = now
