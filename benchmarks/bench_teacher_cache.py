@@ -23,9 +23,11 @@ batch 2 x 128 tokens, chunk top-64 + tail, random weights; mean of steps 2..6):
   gold                              153,369        90,894         167      1,021
   full                              610,122       356,138         239        413
 
-(*) 2026-11-27, ``--threads 1`` (the study held both cores; its plain top-256 read: 1,211 MB/s):
-a run at top-8 reading a top-256 cache narrows the rows as it reads them (checked against top-8
-payloads of the same logits); two torch threads on busy cores made the same step 25x slower.
+(*) 2026-11-27, ``--threads 1`` (the study held both cores; its plain top-256 read: 1,211 MB/s;
+commit 388a092, whose narrowing summed the dropped mass in fp64; a rerun after f3b5f33's fp32
+sum read 1,098 MB/s): a run at top-8 reading a top-256 cache narrows the rows as it reads them
+(checked against top-8 payloads of the same logits); two torch threads on busy cores made the
+same step about 25x slower (42 MB/s).
 
   run                          s/step  tokens/s  teacher s
   online teacher (fills)         5.65        46       3.04
