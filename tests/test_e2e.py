@@ -311,17 +311,38 @@ def test_ray_launcher_matches_torchrun(e2e_setup):
 
 def test_teacher_length_is_derived_from_the_data(e2e_setup, e2e_pool):
     """Without --teacher-seq-length the run measures the tokenizers' ratio on its data and
-    sizes the teacher sample to it; every step reports the teacher's fill (real tokens over
-    token slots), which padding no longer dominates (2 x --seq-length filled about half)."""
+    sizes the teacher sample to it; every step reports the teacher's fill (positions needed
+    over positions run)."""
     root, s_tok, t_tok = e2e_setup
     argv = _argv(root, s_tok, t_tok, "derived_length", ["--tensor-model-parallel-size", "2",
                                                          "--train-iters", "2"])
     at = argv.index("--teacher-seq-length")
     del argv[at: at + 2]
     e2e_pool.run(_run_main, argv)
-    records = [json.loads(x) for x in (root / "derived_length.jsonl").read_text().splitlines()]
-    fills = [r["teacher_fill"] for r in records if "kd" in r]
+    fills = _fills(root, "derived_length")
     assert len(fills) == 2 and all(0.8 <= f <= 1.0 for f in fills), fills
+
+
+def _fills(root: Path, name: str) -> list[float]:
+    records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
+    return [r["teacher_fill"] for r in records if "kd" in r]
+
+
+def test_the_teacher_runs_only_the_positions_its_text_needs(e2e_setup, e2e_reference, e2e_pool):
+    """A teacher sample three times wider than the text (--teacher-seq-length 120 instead of
+    the reference's 40) costs nothing: each teacher micro-batch runs as many positions as its
+    longest sample needs (here rounded up to 2 for TP2 sequence parallelism), so the run trains
+    like the reference and the teacher's fill (positions needed over positions run) stays near
+    1 (a full-width forward filled about a third)."""
+    root, s_tok, t_tok = e2e_setup
+    argv = _argv(root, s_tok, t_tok, "wide_teacher", ["--teacher-tensor-model-parallel-size",
+                                                       "2", "--teacher-sequence-parallel"])
+    argv[argv.index("--teacher-seq-length") + 1] = "120"
+    e2e_pool.run(_run_main, argv)
+    assert_losses_match(_losses(root, "wide_teacher"), e2e_reference, "teacher 120 wide")
+    assert _fills(root, "ref") == [1.0] * STEPS  # one sample a micro-batch, no rounding
+    assert all(0.95 <= f <= 1.0 for f in _fills(root, "wide_teacher")), \
+        _fills(root, "wide_teacher")
 
 
 @pytest.mark.slow  # 37 s; in make test-slow for the suite's 30-minute budget

@@ -87,7 +87,8 @@ def _loop_loss(case, mode, temp=1.0, reverse=False, exact_only=False, vocab_topk
     z, u = case.real_student_logits, case.real_teacher_logits
     vocab_cols = None
     if vocab_topk is not None:
-        best = u.reshape(-1, u.shape[-1]).amax(0)
+        predicting = predicting_chunk_id(case.teacher_chunk_id) >= 0  # padding chooses nothing
+        best = u[predicting].amax(0)
         vocab_cols = sorted(range(best.numel()), key=lambda t: -float(best[t]))[:vocab_topk]
         vocab_cols = torch.tensor(sorted(vocab_cols))
     pairs = None
@@ -347,3 +348,21 @@ def test_a_gpu_reads_the_teacher_terms_in_a_few_slices():
     rows = DenseKernel.teacher_rows_per_step(11_000, gpu)
     assert -(-11_000 // rows) <= DenseKernel.TEACHER_STEPS and rows >= 32
     assert DenseKernel.teacher_rows_per_step(100, gpu) == 32
+
+
+@pytest.mark.parametrize("form,topk", [("topk", 5), ("chunk_topk", 4), ("full", None)])
+def test_padding_positions_leave_the_payload_unchanged(form, topk):
+    """Positions that predict no chunk (padding, or a forward cut short of it) never change a
+    payload: eight more of them, with the largest logit of all at one column each, give the
+    same payload as the positions alone. (A column set chosen over every position, padding
+    included, would take those columns in the micro-batch top-k form.)"""
+    case = make_case(batch=2, ts=8, tt=10, vs=11, vt=30, seed=3)
+    pred = predicting_chunk_id(case.teacher_chunk_id)
+    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk)
+    want = teacher_payload(case.teacher_logits.double(), pred, spec, vocab_size=case.vt)
+    pad = torch.zeros(2, 8, case.teacher_logits.shape[-1], dtype=torch.float64)
+    pad[:, torch.arange(8), torch.arange(8) * 3] = 1e3
+    logits = torch.cat([case.teacher_logits.double(), pad], dim=1)
+    pred_padded = torch.cat([pred, torch.full((2, 8), -1, dtype=pred.dtype)], dim=1)
+    got = teacher_payload(logits, pred_padded, spec, vocab_size=case.vt)
+    assert torch.equal(got.to_flat(), want.to_flat())

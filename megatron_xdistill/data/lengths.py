@@ -1,13 +1,13 @@
-"""The teacher's sequence length from the data: as long as the student's text needs, no longer.
+"""The teacher's sequence length from the data: as long as the student's text needs.
 
-Every teacher position costs a full teacher forward, padded or not, so the teacher sample should
-be just long enough for the text of a full student sample. The two tokenizers' ratio on that text
-varies with the text: :func:`teacher_length_from_data` tokenises a spread sample of the documents
-with both tokenizers, cuts the student side into windows of one sample (``seq_length + 1``
-tokens), counts the teacher tokens of the same characters, and takes a high quantile of the
-per-window ratio. Windows whose ratio is above it (a few percent) get a teacher-bound sample
-whose rest of the text moves to the next sample: no text is dropped, the student sample of those
-few has some padding.
+The teacher sample must hold the text of a full student sample (a teacher micro-batch then runs
+only the positions its longest sample needs: ``parallel.teacher_batches``). The two tokenizers'
+ratio on that text varies with the text: :func:`teacher_length_from_data` tokenises a spread
+sample of the documents with both tokenizers, cuts the student side into windows of one sample
+(``seq_length + 1`` tokens), counts the teacher tokens of the same characters, and takes a high
+quantile of the per-window ratio. Windows whose ratio is above it (a few percent) get a
+teacher-bound sample whose rest of the text moves to the next sample: no text is dropped, the
+student sample of those few has some padding.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ class LengthChoice:
         return (f"teacher sequence length {self.teacher_seq_length} from the data: teacher / "
                 f"student tokens per window median {self.median_ratio:.3f}, "
                 f"{100 * self.quantile:.0f}th percentile {self.quantile_ratio:.3f} over "
-                f"{self.windows} windows; expected teacher fill {100 * self.expected_fill:.1f}% "
-                f"(pass --teacher-seq-length to choose it yourself)")
+                f"{self.windows} windows; {100 * self.expected_fill:.1f}% of it is text on "
+                f"average (a teacher micro-batch runs as many positions as its longest text "
+                f"needs; pass --teacher-seq-length to choose the length yourself)")
 
 
 def _spread(count: int, limit: int) -> list[int]:

@@ -108,7 +108,8 @@ def kd_loss_details(
         q_mean = _chunk_mean(m_s, _project(logp_s.exp(), projection))  # [B, C, V_t]
         tail = total = None
         if vocab_topk is not None:
-            importance = teacher_logits.float().reshape(-1, teacher_logits.shape[-1]).amax(0)
+            # over the positions that predict a chunk (padding chooses nothing)
+            importance = teacher_logits.float()[m_t.sum(1) > 0].amax(0)
             cols = importance.topk(min(vocab_topk, importance.numel())).indices.sort().values
             t_log = _chunk_mean(m_t, F.log_softmax(u[..., cols], dim=-1))
             q_k = q_mean[..., cols]

@@ -143,7 +143,7 @@ def teacher_payload(
                             max(1, block_bytes // (4 * max(logits.shape[-1], 1))))
     columns = None
     if spec.form == "topk":
-        columns = _microbatch_topk(t, spec.width)
+        columns = _microbatch_topk(t, spec.width, pred_chunk_id.reshape(-1) >= 0)
     finish = {"full": t.finish_full, "chunk_topk": t.finish_chunk_topk,
               "gold": t.finish_gold, "topk": None}[spec.form]
     per_block = spec.form in ("chunk_topk", "gold")
@@ -181,12 +181,16 @@ def teacher_payload(
                      pred_chunk_id.shape[0])
 
 
-def _microbatch_topk(t: _Teacher, k: int) -> torch.Tensor:
-    """NeMo-RL ``vocab_topk``: the k columns with the largest logit anywhere in the microbatch."""
-    if t.num_real and t.logits2d.shape[0]:
-        importance = t.logits2d[:, : t.num_real].amax(0).float()
-    else:
-        importance = torch.full((t.num_real,), float("-inf"), device=t.dev)
+def _microbatch_topk(t: _Teacher, k: int, predicting: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL ``vocab_topk``: the k columns with the largest logit anywhere in the microbatch,
+    over the positions that predict a chunk (``predicting`` [rows]): padding never chooses a
+    column, so the set does not depend on how much of it a forward runs."""
+    importance = torch.full((t.num_real,), float("-inf"), device=t.dev)
+    if t.num_real:
+        rows = torch.nonzero(predicting.to(t.dev), as_tuple=True)[0]
+        for part in rows.split(max(1, BLOCK_BYTES // (4 * t.num_real))):
+            importance = torch.maximum(importance,
+                                       t.logits2d[part, : t.num_real].amax(0).float())
     all_reduce(importance, t.cp_group, "max")
     vals, idx = importance[None].topk(min(k, t.num_real), dim=1)
     _, top = _merge_topk(vals, idx + t.vocab_start, k, t.tp_group)

@@ -37,6 +37,12 @@ class ParallelLayout:
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
 
+    def sequence_multiple(self, sequence_parallel: bool) -> int:
+        """What a sequence length must be a multiple of: 2 x CP with context parallelism
+        (load-balanced halves), times TP with sequence parallelism."""
+        parts = 2 * self.cp if self.cp > 1 else 1
+        return parts * self.tp if sequence_parallel else parts
+
     def coords(self, rank: int) -> dict[str, int]:
         """(tp, cp, dp, pp) coordinates of a rank within this layout (rank relative to offset)."""
         tp = rank % self.tp

@@ -65,12 +65,11 @@ class TeacherCache:
                shard_bytes: int = 256 << 20, commit_seconds: float = COMMIT_SECONDS) -> None:
         """Collective: rank 0 writes a new cache's manifest; then this rank opens its shard
         writer (a teacher rank that sends payloads) or reader (a student's last stage)."""
-        held = self.manifest.numel if self.manifest is not None else None
-        if self.narrowing is not None and numel == self.narrowing.run_numel:
-            held = numel  # rows are narrowed as they are read
-        if held is not None and held != numel:
-            raise CacheError(f"teacher cache {self.root} holds payloads of "
-                             f"{self.manifest.numel} values, this run needs {numel}")
+        if self.manifest is not None:  # narrowed rows have the run's size as they are read
+            served = self.narrowing.run_numel if self.narrowing else self.manifest.numel
+            if served != numel:
+                raise CacheError(f"teacher cache {self.root} holds payloads of "
+                                 f"{self.manifest.numel} values, this run needs {numel}")
         if self.manifest is None and rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             save_manifest(self.root, Manifest(self.run_key, teacher_model, num_samples, numel))

@@ -193,14 +193,11 @@ def _check_layout(args: argparse.Namespace, side: str, placement: Placement, wor
 
 
 def sequence_multiple(args: argparse.Namespace, who: str) -> int:
-    """What a side's sequence length must be a multiple of: 2 x CP with context parallelism,
-    times TP with sequence parallelism."""
+    """What a side's sequence length must be a multiple of (``ParallelLayout.sequence_multiple``)."""
     prefix = "" if who == "student" else "teacher_"
-    cp = getattr(args, f"{prefix}context_parallel_size")
-    parts = 2 * cp if cp > 1 else 1
-    if getattr(args, f"{prefix}sequence_parallel"):
-        parts *= getattr(args, f"{prefix}tensor_model_parallel_size")
-    return parts
+    layout = ParallelLayout(tp=getattr(args, f"{prefix}tensor_model_parallel_size"),
+                            cp=getattr(args, f"{prefix}context_parallel_size"))
+    return layout.sequence_multiple(bool(getattr(args, f"{prefix}sequence_parallel")))
 
 
 def check_sequence_length(args: argparse.Namespace, who: str, seq: int) -> None:

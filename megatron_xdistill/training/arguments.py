@@ -134,10 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "with it (default: --tokenizer-model, as in Megatron-LM)")
     g.add_argument("--seq-length", type=int, required=True, help="student sequence length")
     g.add_argument("--teacher-seq-length", type=int, default=None,
-                   help="teacher sequence length (default: derived from the data: the 98th "
-                   "percentile of the teacher / student token ratio on a sample of the "
-                   "documents times --seq-length, so little of the teacher's forward is "
-                   "spent on padding)")
+                   help="the most teacher tokens a sample holds (each teacher micro-batch "
+                   "runs only the positions its longest text needs). Default: derived from the "
+                   "data: the 98th percentile of the teacher / student token ratio on a sample "
+                   "of the documents times --seq-length, so a student sample's text nearly "
+                   "always fits")
     g.add_argument("--samples-per-epoch", type=int, default=None, metavar="N",
                    help="pack the training data into N samples and train in passes over them "
                    "(epochs, the same samples in the same order each pass) when --train-iters x "

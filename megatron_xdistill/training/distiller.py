@@ -314,6 +314,7 @@ class Distiller:
                     teacher_seconds = max(teacher_seconds, float(stats[:, 0].max()))
             self.times.route += device_now(self.device) - t0
         report = self.student.train_step(samples, payloads, self.kds, self.combination,
+                                         [lane.side.batching for lane in self.lanes],
                                          teacher_seconds)
         if self.streams:  # the step waited for the slowest teacher
             self.times.teacher += report.teacher_seconds

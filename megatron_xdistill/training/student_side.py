@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from megatron_xdistill.loss import KDTerms, combined_loss
 from megatron_xdistill.models.megatron_lm import megatron_lm_args
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.sample_owners import student_samples
+from megatron_xdistill.parallel.teacher_batches import TeacherBatching
 from megatron_xdistill.teachers.combination import Combination, choose_teachers
 from megatron_xdistill.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_xdistill.training.clocks import LossClock, PhaseTimes, device_now
@@ -124,23 +126,37 @@ class StudentSide:
         return out
 
     def _global_counts(self, samples: dict[int, dict], micro: list[Microbatch],
-                       kds: list[KDObjective], combination: Combination) -> torch.Tensor:
+                       kds: list[KDObjective], combination: Combination,
+                       batchings: Sequence[TeacherBatching]) -> torch.Tensor:
         """Over the whole global batch (over DP), float64: label tokens, then per teacher its
-        counted chunks (of the samples it teaches), its real and its slot token counts (the
-        teacher's fill: the share of its token slots that hold real tokens, not padding) and
-        the samples it teaches."""
-        mine = [samples[i] for i in self.positions()]
+        counted chunks (of the samples it teaches), the positions its forward needs and the
+        positions it runs (the teacher's fill: the share that is not padding; ``batchings``:
+        how each teacher runs the batch) and the samples it teaches."""
+        mine = self.positions()
         values = [float(sum(m.batch["loss_mask"].sum() for m in micro))]
         for k, kd in enumerate(kds):
             values += [float(sum(kd.count_chunks(teacher_view(m.batch, k), m.taught_by(k))
                                  for m in micro)),
-                       float(sum(s["teachers"][k]["teacher_length"] for s in mine)),
-                       float(len(mine) * (kd.teacher_spec.seq_length + 1)),
                        float(sum(len(m.batch["tokens"]) if m.choice is None
                                  else int((m.choice == k).sum()) for m in micro))]
-        counts = torch.tensor(values, dtype=torch.float64, device=self.device)
+        # Each teacher's sample lengths by position in the batch: the teacher's micro-batches
+        # mix samples of several student replicas.
+        lengths = torch.zeros(len(kds), self.side_config.global_batch_size, dtype=torch.float64)
+        for k in range(len(kds)):
+            lengths[k, mine] = torch.tensor(
+                [float(samples[i]["teachers"][k]["teacher_length"]) for i in mine],
+                dtype=torch.float64)
+        counts = torch.cat([torch.tensor(values, dtype=torch.float64), lengths.flatten()])
+        counts = counts.to(self.device)
         dist.all_reduce(counts, group=self.groups.pg_collection.dp)
-        return counts.cpu()
+        counts = counts.cpu()
+        lengths = counts[len(values):].view(len(kds), -1).long().tolist()
+        out = [counts[0].item()]
+        for k, batching in enumerate(batchings):
+            chunks, taught = counts[1 + 2 * k : 3 + 2 * k].tolist()
+            out += [chunks, float(sum(max(n - 1, 0) for n in lengths[k])),
+                    float(batching.positions_run(lengths[k])), taught]
+        return torch.tensor(out, dtype=torch.float64)
 
     def _loss(self, kds: list[KDObjective], combination: Combination, denominators: list[float],
               n_tokens: float, micro: Microbatch, logits: torch.Tensor):
@@ -182,14 +198,16 @@ class StudentSide:
 
     def train_step(self, samples: dict[int, dict], payloads: list[dict[int, torch.Tensor]] | None,
                    kds: list[KDObjective], combination: Combination,
+                   batchings: Sequence[TeacherBatching],
                    teacher_seconds: float = 0.0) -> StepReport:
         """Forward/backward over this replica's micro-batches and the optimizer step.
-        ``payloads``: per teacher, its rows by sample position (None: CE alone)."""
+        ``payloads``: per teacher, its rows by sample position (None: CE alone);
+        ``batchings``: how each teacher runs a global batch (for its fill)."""
         t0 = device_now(self.device)
         groups = self.groups
         micro = self.microbatches(samples, payloads if groups.is_last_stage else None, kds,
                                   combination)
-        counts = self._global_counts(samples, micro, kds, combination)
+        counts = self._global_counts(samples, micro, kds, combination, batchings)
         n_tokens = counts[0].item()
         per_teacher = counts[1:].view(len(kds), 4)
         chunks = per_teacher[:, 0].tolist()

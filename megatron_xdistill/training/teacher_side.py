@@ -15,10 +15,17 @@ import torch
 from megatron_xdistill import models as models_api
 from megatron_xdistill.data.dataset import collate_samples, teacher_view
 from megatron_xdistill.parallel.layout import ModelParallelGroups
-from megatron_xdistill.parallel.sample_owners import teacher_block
+from megatron_xdistill.parallel.teacher_batches import TeacherBatching
 from megatron_xdistill.training.kd_adapter import KDObjective
 from megatron_xdistill.training.schedule import run_schedule
 from megatron_xdistill.training.side_config import TeacherSideConfig
+
+
+def trimmed(batch: dict, width: int) -> dict:
+    """A teacher micro-batch cut to ``width`` positions: the tokens (``width + 1``, the inputs
+    and the last label) and their chunk ids; the pad tokens past them are never run."""
+    return dict(batch, teacher_tokens=batch["teacher_tokens"][:, : width + 1],
+                teacher_chunk_id=batch["teacher_chunk_id"][:, : width + 1])
 
 
 class TeacherSide:
@@ -39,9 +46,15 @@ class TeacherSide:
             self.model.eval()
             for param in self.model.parameters():
                 param.requires_grad_(False)
-        per_replica = config.global_batch_size // groups.layout.dp
+        layout = groups.layout
+        per_replica = config.global_batch_size // layout.dp
         # The largest micro-batch that divides both the student's and this teacher's share.
         self.micro_batch_size = math.gcd(config.micro_batch_size, per_replica)
+        self.batching = TeacherBatching(
+            config.global_batch_size, layout.dp, self.micro_batch_size, config.seq_length,
+            multiple=layout.sequence_multiple(
+                bool(config.model_options.get("sequence_parallel", False))),
+            pipelined=layout.pp > 1)
 
     @property
     def runs(self) -> bool:
@@ -57,10 +70,11 @@ class TeacherSide:
         """Flat payload rows by sample position of this replica's block (last stage; other
         stages return an empty dict). ``index``: which of the run's teachers this is (its
         tokens and chunks in the samples)."""
-        block = teacher_block(self.side_config.global_batch_size, self.groups.layout.dp,
-                              self.groups.coords["dp"])
-        mbs = self.micro_batch_size
-        micro = [block[i : i + mbs] for i in range(0, len(block), mbs)]
+        dp_rank = self.groups.coords["dp"]
+        micro = self.batching.microbatches(dp_rank)
+        lengths = {i: samples[i]["teachers"][index]["teacher_length"]
+                   for ids in micro for i in ids}
+        widths = self.batching.widths(dp_rank, lengths)
         rows: list[torch.Tensor] = []
 
         def payload_rows(batch, logits):
@@ -68,10 +82,10 @@ class TeacherSide:
             return torch.zeros(()), {}
 
         run_schedule(self.model, self.config, self.groups,
-                     [teacher_view(collate_samples([samples[i] for i in ids]), index)
-                      for ids in micro],
+                     [trimmed(teacher_view(collate_samples([samples[i] for i in ids]), index),
+                              width) for ids, width in zip(micro, widths, strict=True)],
                      tokens=lambda batch: batch["teacher_tokens"], loss_func=payload_rows,
-                     seq_length=self.side_config.seq_length, micro_batch_size=mbs,
+                     seq_length=max(widths), micro_batch_size=self.micro_batch_size,
                      device=self.device, forward_only=True)
         payloads: dict[int, torch.Tensor] = {}
         for ids, flat in zip(micro, rows):
