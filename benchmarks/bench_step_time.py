@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{t_ranks} teacher rank(s) (TP={t_ranks}), {args.nproc - t_ranks} student rank(s) "
           f"(DP), teacher of step k+1 overlapping the student of step k. 'wall' is the measured "
           f"step time (the phases of the two sides overlap when disaggregated); 'teacher fill' the "
-          f"share of teacher positions that hold real tokens (the teacher's length derived from "
-          f"the data).\n")
+          f"share of the positions the teacher ran that predict its text (each teacher "
+          f"micro-batch runs as many as its longest text needs).\n")
     head = ("| placement | payload | " + " | ".join(PHASES)
             + " | wall | wall / (teacher + student + optimizer) | tokens/s | B/token "
               "| teacher fill |")
