@@ -14,7 +14,7 @@ not depend on the machine.
 Measured (torch 2.13 CPU, 2026-11-26; 2,048 positions, V_s 4,096, V_t 6,000, k = 64; fused CE;
 before = commit 74eaced, after = the W entries expanded once per call (``loss/block_entries.py``),
 per-position label and block-row arithmetic done once per call, no TP reductions with one TP rank;
-"after" re-measured at the commit that added ``_Plan._factor``):
+"after" re-measured at the commit that added ``StudentLossPlan._factor`` (then ``_Plan``)):
 
   form         ops / block          ops / call
                before   after      before   after

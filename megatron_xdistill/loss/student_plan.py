@@ -1,0 +1,423 @@
+"""One call of the student-side loss, planned once: its chunk rows, kernel and blocks, and the
+forward and backward passes over them (the autograd Function of :mod:`.student` runs these).
+
+Forward: per block of positions, the log-partition (one max and one sum all-reduce over TP, the
+latter also carrying CE's target logit), then the kernel's per-chunk raw sums; chunks held whole
+by the rank are finished from their TP-reduced sums, chunks split over CP are summed over CP
+first. Backward recomputes each block's softmax from the saved log-partitions and writes the
+gradient block by block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import row_softmax
+from .chunk_rows import ChunkRows
+from .collectives import Group, all_gather, all_reduce, group_rank, group_size
+from .fused_grad import FusedGradWriter
+from .kernels import BlockData, Raw
+from .workspace import scratch
+
+
+def _take(raw: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: v.index_select(0, index) for k, v in raw.items()}
+
+
+class StudentLossPlan:
+    """Everything one call needs; forward/backward of the autograd Function live here."""
+
+    def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
+                 temperature: float, labels: torch.Tensor | None, tp_group: Group,
+                 cp_group: Group, max_block: int, fused: bool = False) -> None:
+        self.rows, self.kernel = rows, kernel
+        # Dense passes through ``row_softmax``'s fused kernels: no [block, V] softmax buffer.
+        self.fused = fused
+        self.num_real, self.vocab_start = num_real, vocab_start
+        self.temp = float(temperature)
+        self.labels = labels
+        self.tp_group, self.cp_group = tp_group, cp_group
+        self.max_block = max_block
+        self.dtype = torch.float32  # compute dtype (float64 for float64 logits, e.g. gradcheck)
+        self.split_raw: Raw | None = None
+        # One TP rank: the shard's softmax is the softmax (no reductions, factor 1).
+        self.single = group_size(tp_group) == 1
+
+    # ----------------------------------------------------------------- shared helpers
+    def _workspace(self, n: int, like: torch.Tensor, name: str) -> torch.Tensor:
+        """A [n, V_real] view of a persistent scratch buffer (see :func:`scratch`)."""
+        return scratch(name, n * self.num_real, like.device, self.dtype).view(n, self.num_real)
+
+    def _x(self, logits2d: torch.Tensor, start: int, end: int, unscaled: bool = False
+           ) -> torch.Tensor:
+        """logits / T (or the logits) of the block in the compute dtype (a view if possible)."""
+        scale = 1.0 if unscaled else 1.0 / self.temp
+        z = logits2d[start:end, : self.num_real]
+        if z.dtype == self.dtype and scale == 1.0:
+            return z
+        x = self._workspace(end - start, z, "z" if unscaled else "x")
+        if z.dtype == self.dtype:
+            return torch.mul(z, scale, out=x)
+        x.copy_(z)
+        return x if scale == 1.0 else x.mul_(scale)
+
+    def _local_softmax(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Softmax of x over this shard's columns into ``out``; returns its log-partition."""
+        if self.num_real == 0:
+            return x.new_full((x.shape[0],), float("-inf"))
+        torch.ops.aten._softmax.out(x, 1, False, out=out)
+        return x.amax(1) - out.amax(1).log()  # the largest p is 1 / sum exp(x - max x)
+
+    def _targets(self) -> None:
+        """Per position, once per call: has a label (as 0/1 in the compute dtype), the label's
+        local column (clamped to 0 where it is elsewhere, for gathers) and whether it is
+        local. Blocks take slices: no per-block index arithmetic."""
+        y = self.labels
+        col = y - self.vocab_start
+        local = (y >= 0) & (col >= 0) & (col < self.num_real)
+        self.has_label = (y >= 0).to(self.dtype)
+        self.label_local = local
+        self.label_col = torch.where(local, col, 0)[:, None]
+
+    @property
+    def _ce_extra(self) -> bool:
+        """CE needs its own softmax (T != 1)."""
+        return self.labels is not None and self.temp != 1.0
+
+    def _factor(self, lz_local: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """exp(shard log-partition - TP-wide log-partition) of positions [lo, hi): what turns
+        this shard's softmax into the TP-wide one (ones with one TP rank)."""
+        return self.ones[lo:hi] if self.single else torch.exp(lz_local - self.logz[lo:hi])
+
+    def _block(self, x, probs_local, lz_local, blk, index: int) -> BlockData:
+        rows, lo, hi = self.rows, blk.start, blk.end
+        extra = None if self.extra is None else self.extra[lo:hi]
+        return BlockData(x, probs_local, self._factor(lz_local, lo, hi), self.logz[lo:hi],
+                         rows.block_seg[lo:hi],
+                         blk.row_end - blk.row_start, blk.row_start, rows.block_seg_dummy[lo:hi],
+                         extra, index, unit_factor=self.single,
+                         lz_local=lz_local if self.fused else None, scale=1.0 / self.temp)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, kernel = self.rows, self.kernel
+        logits2d = logits.view(-1, logits.shape[-1])
+        n_pos = logits2d.shape[0]
+        dev = logits.device
+        self.dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        # The tail bucket (chunk top-k): W's row sums on the real local rows, in the compute
+        # dtype for the forward here and the kernel's backward.
+        self.tail = getattr(kernel, "row_sums", None)
+        if self.tail is not None:
+            self.tail = kernel.row_sums = self.tail.to(self.dtype)
+        opts = {"device": dev, "dtype": self.dtype}
+        self.lz_local = torch.empty(n_pos, **opts)
+        self.logz = self.lz_local if self.single else torch.empty(n_pos, **opts)
+        self.ones = torch.ones(n_pos, **opts) if self.single else None
+        if self._ce_extra:
+            self.lz1_local = torch.empty(n_pos, **opts)
+            self.logz1 = self.lz1_local if self.single else torch.empty(n_pos, **opts)
+        if self.labels is not None:
+            self._targets()
+        self.extra = torch.empty(n_pos, **opts) if self.tail is not None else None
+        acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
+        raws, split_buf = [], None
+        for index, blk in enumerate(rows.blocks):
+            if self.fused:  # the block's logits as they are; no softmax buffer
+                x, probs = logits2d[blk.start: blk.end, : self.num_real], None
+                lz_local = self._partition_fused(x, blk.start, blk.end)
+            else:
+                x = self._x(logits2d, blk.start, blk.end)
+                probs = self._workspace(blk.end - blk.start, x, "p")
+                lz_local = self._partition(x, probs, logits2d, blk.start, blk.end)
+            if blk.row_end == blk.row_start:
+                continue
+            data = self._block(x, probs, lz_local, blk, index)
+            raw = kernel.raw(data)
+            if kernel.per_block:
+                split_buf = self._stash_split(raw, blk, split_buf, index)
+                acc[:2] += self._finish_local(raw, blk, index)
+            else:
+                raws.append(raw)
+        if not kernel.per_block:
+            self.raw_all = {k: torch.cat([r[k] for r in raws]) for k in raws[0]} if raws else {}
+            if raws:
+                local = rows.local_rows
+                self.raw_local = _take(self.raw_all, local)
+                kl, t1 = kernel.kl(self.raw_local, rows.keys[local], rows.count[local])
+                acc[0] += kl.double().sum()
+                acc[1] += t1.double().sum()
+                split_buf = self._stash_split(self.raw_all, None, split_buf)
+        acc[:2] += self._finish_split(split_buf, logits2d)
+        if self.labels is not None:
+            acc[2] += self._ce_sum(logits2d)
+        self.kd_count = rows.owned.sum().double()
+        self.top1 = acc[1]
+        self.ce_count = (torch.zeros((), dtype=torch.float64) if self.labels is None
+                         else (self.labels >= 0).sum().double())
+        return (acc[0] * self.temp ** 2).to(self.dtype), acc[2].to(self.dtype)
+
+    def _ce_sum(self, logits2d: torch.Tensor) -> torch.Tensor:
+        """Next-token CE summed over the labelled positions, for all blocks at once: the
+        label's logit (gathered by the shard that holds it, summed over TP) against the saved
+        log-partitions."""
+        picked = logits2d.gather(1, self.label_col)[:, 0].to(self.dtype)
+        picked = all_reduce(picked.mul_(self.label_local), self.tp_group)
+        logz1 = self.logz1 if self._ce_extra else self.logz
+        return ((logz1 - picked) * self.has_label).sum()
+
+    def _partition(self, x, probs, logits2d, start: int, end: int) -> torch.Tensor:
+        """Local softmax into ``probs``; TP-wide log-partitions (and CE's at T = 1) into the
+        saved per-position values (with TP: one max and one sum all-reduce). Returns the local
+        log-partition."""
+        lz_local = self.lz_local[start:end]
+        lz_local.copy_(self._local_softmax(x, probs))
+        lz1 = None
+        if self._ce_extra:  # CE's partition at T = 1 needs a softmax of its own
+            z = self._x(logits2d, start, end, unscaled=True)
+            lz1 = self.lz1_local[start:end]
+            lz1.copy_(self._local_softmax(z, self._workspace(end - start, x, "p1")))
+        mass = None if self.extra is None else self.tail.mass(probs)
+        self._reduce_partition(lz_local, lz1, mass, start, end)
+        return lz_local
+
+    def _partition_fused(self, z: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """:meth:`_partition` from the logits ``z`` in one fused pass (two with CE at T != 1):
+        the local log-partitions and, for the tail, the softmax mean of W's row sums."""
+        lz_local = self.lz_local[start:end]
+        excess = None if self.extra is None else self.tail.excess
+        lse, mean = row_softmax.row_partition(z, 1.0 / self.temp, excess)
+        lz_local.copy_(lse)
+        lz1 = None
+        if self._ce_extra:
+            lz1 = self.lz1_local[start:end]
+            lz1.copy_(row_softmax.row_partition(z, 1.0)[0])
+        mass = None if mean is None else mean.to(self.dtype).add_(self.tail.const)
+        self._reduce_partition(lz_local, lz1, mass, start, end)
+        return lz_local
+
+    def _reduce_partition(self, lz_local, lz1, mass, start: int, end: int) -> None:
+        """TP-wide log-partitions of the positions [start, end) from this shard's (nothing to
+        do with one TP rank) and the tail's projected mass of this shard (``mass``, scaled to
+        the TP-wide softmax) into ``self.extra``."""
+        if self.single:
+            if mass is not None:  # this shard's share of the projected mass (summed in kl)
+                self.extra[start:end] = mass
+            return
+        maxes = [lz_local] if lz1 is None else [lz_local, lz1]
+        top = all_reduce(torch.stack(maxes, 1), self.tp_group, "max")
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        sums = torch.exp(torch.stack(maxes, 1) - top)
+        stats = all_reduce(sums, self.tp_group)
+        logz = self.logz[start:end]
+        torch.add(top[:, 0], stats[:, 0].log(), out=logz)
+        if lz1 is not None:
+            torch.add(top[:, 1], stats[:, 1].log(), out=self.logz1[start:end])
+        if mass is not None:
+            self.extra[start:end] = mass * torch.exp(lz_local - logz)
+
+    def _stash_split(self, raw: Raw, blk, buf: Raw | None, index: int = 0) -> Raw | None:
+        """Copy the raw sums of split rows (of block ``blk``, number ``index``, or of all rows)
+        into the CP buffer."""
+        rows = self.rows
+        if rows.split_keys.numel() == 0:
+            return None
+        if buf is None:
+            n = rows.split_keys.numel()
+            buf = {k: v.new_zeros(n, *v.shape[1:]) for k, v in raw.items()}
+        if blk is None:
+            lo, hi, sel = 0, rows.num_rows, rows.split_rows
+        else:
+            lo, hi, sel = blk.row_start, blk.row_end, rows.split_of_block(index)
+        slot = rows.split_slot[lo:hi]
+        if sel.numel():
+            dst = slot[sel]
+            for k, v in raw.items():
+                buf[k][dst] = v.index_select(0, sel)
+        return buf
+
+    def _finish_local(self, raw: Raw, blk, index: int) -> torch.Tensor:
+        """(KL sum, top-1 matches) of the rows of block ``blk`` (number ``index``) held whole
+        by this rank."""
+        rows = self.rows
+        sel = rows.local_of_block(index)
+        dev = next(iter(raw.values())).device
+        if sel.numel() == 0:
+            return torch.zeros(2, dtype=torch.float64, device=dev)
+        keys = rows.keys[blk.row_start: blk.row_end]
+        counts = rows.count[blk.row_start: blk.row_end]
+        if not rows.all_local(index):  # else all rows, in order: no [rows, V] copies
+            raw, keys, counts = _take(raw, sel), keys[sel], counts[sel]
+        kl, t1 = self.kernel.kl(raw, keys, counts)
+        return torch.stack([kl.double().sum(), t1.double().sum()])
+
+    def _finish_split(self, buf: Raw | None, like: torch.Tensor) -> torch.Tensor:
+        """(KL sum, top-1 matches) of the split chunks this rank owns, after the CP sum."""
+        rows = self.rows
+        out = torch.zeros(2, dtype=torch.float64, device=like.device)
+        if rows.split_keys.numel() == 0:
+            return out
+        if buf is None:  # no rows here: contribute zeros to the CP sum
+            buf = self.kernel.empty_raw(rows.split_keys.numel(), like.new_empty(0, dtype=self.dtype))
+        for v in buf.values():
+            all_reduce(v, self.cp_group)
+        self.split_raw = buf
+        owner = rows.split_owner == group_rank(self.cp_group)
+        kl, t1 = self.kernel.kl(buf, rows.split_keys, rows.key_count[rows.split_keys])
+        return torch.stack([(kl.double() * owner).sum(), (t1.double() * owner).sum()])
+
+    # ----------------------------------------------------------------- backward
+    def _grad_of(self, raw: Raw, keys, counts, weight) -> Raw:
+        """d(sum_r weight_r * T^2 * KL_r) / d raw (weight: scalar or per row)."""
+        leaves = {k: v.detach().requires_grad_(True) for k, v in raw.items()}
+        with torch.enable_grad():
+            kl, _ = self.kernel.kl(leaves, keys, counts, top1=False)
+            total = (kl * weight).sum() * (self.temp * self.temp)
+            names = list(leaves)
+            grads = torch.autograd.grad(total, [leaves[k] for k in names], allow_unused=True)
+        return {k: (torch.zeros_like(leaves[k]) if g is None else g)
+                for k, g in zip(names, grads)}
+
+    def backward(self, logits: torch.Tensor, g_kd: torch.Tensor | None,
+                 g_ce: torch.Tensor | None) -> torch.Tensor:
+        rows, kernel = self.rows, self.kernel
+        dev = logits.device
+        g_kd = (torch.zeros((), device=dev) if g_kd is None else g_kd).to(self.dtype)
+        g_ce = (torch.zeros((), device=dev) if g_ce is None else g_ce).to(self.dtype)
+        logits2d = logits.view(-1, logits.shape[-1])
+        grad_full = torch.empty_like(logits)
+        grad = grad_full.view(-1, logits.shape[-1])
+        if self.num_real < grad.shape[1]:
+            grad[:, self.num_real:] = 0
+        g_split = None
+        if self.split_raw is not None:  # weighted by the owning CP rank's upstream gradient
+            owner_g = torch.stack(all_gather(g_kd.reshape(1), self.cp_group))[:, 0]
+            g_split = self._grad_of(self.split_raw, rows.split_keys,
+                                    rows.key_count[rows.split_keys], owner_g[rows.split_owner])
+        g_all = None
+        if not kernel.per_block and rows.num_rows:
+            local = rows.local_rows
+            g_local = self._grad_of(self.raw_local, rows.keys[local], rows.count[local], g_kd)
+            g_all = {k: torch.zeros_like(v) for k, v in self.raw_all.items()}
+            split = rows.split_rows
+            for k in g_all:
+                g_all[k][local] = g_local[k]
+                if g_split is not None and split.numel():
+                    g_all[k][split] = g_split[k][rows.split_slot[split]]
+        # Per position, for all blocks at once: CE's weight g_ce * has_label, folded into the
+        # KD gradient's coefficient when CE shares the softmax (T = 1), and the -weight that
+        # CE puts on the label's column (0 where the label is on another shard).
+        ce_scale = ce_coef = ce_label = None
+        if self.labels is not None:
+            ce_scale = g_ce * self.has_label
+            ce_label = torch.where(self.label_local, -ce_scale, 0.0)[:, None]
+            if not self._ce_extra:
+                ce_coef = ce_scale
+        no_coef = (torch.zeros(self.max_block, dtype=self.dtype, device=dev)
+                   if ce_coef is None else None)
+        for index, blk in enumerate(rows.blocks):
+            out = grad[blk.start: blk.end, : self.num_real]
+            has_rows = blk.row_end > blk.row_start
+            if not has_rows and self.labels is None:
+                out.zero_()
+                continue
+            n = blk.end - blk.start
+            # Fused: any dtype is written in place (low-precision gradients exactly; see
+            # fused_grad); otherwise an fp32 buffer unless the gradient is one already.
+            direct = out.is_contiguous() and (self.fused or out.dtype == self.dtype)
+            dx = out if direct else self._workspace(n, out, "dx")
+            coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
+            args = (dx, logits2d, blk, index, coef, (g_all, g_split, g_kd), ce_scale, ce_label)
+            if self.fused:
+                self._block_backward_fused(*args)
+            else:
+                self._block_backward(*args)
+            if not direct:
+                out.copy_(dx)
+        return grad_full
+
+    def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label
+                        ) -> None:
+        """A block's gradient into ``dx`` (contiguous, compute dtype): its softmax, then the
+        kernel's and CE's terms in place."""
+        lz_local = self.lz_local[blk.start: blk.end]
+        x = self._x(logits2d, blk.start, blk.end)
+        torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
+        if blk.row_end > blk.row_start:
+            data = self._block(x, dx, lz_local, blk, index)
+            self.kernel.backward_block(data, self._block_grad(data, *grads, blk),
+                                       1.0 / self.temp, coef, dx)
+        else:
+            dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
+        if self._ce_extra:
+            self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
+        if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
+            dx.scatter_add_(1, self.label_col[blk.start: blk.end], ce_label[blk.start: blk.end])
+
+    def _block_backward_fused(self, dx, logits2d, blk, index: int, coef, grads, ce_scale,
+                              ce_label) -> None:
+        """The same gradient into ``dx`` (contiguous, any dtype) in one fused dense pass over
+        the block's logits plus sparse corrections (:class:`FusedGradWriter`)."""
+        start, end = blk.start, blk.end
+        lz_local = self.lz_local[start:end]
+        z = logits2d[start:end, : self.num_real]
+        writer = self._writer(dx, z, start, end, ce_scale)
+        if blk.row_end > blk.row_start:
+            data = self._block(z, None, lz_local, blk, index)
+            self.kernel.backward_fused(data, self._block_grad(data, *grads, blk),
+                                       1.0 / self.temp, coef, writer)
+        else:
+            writer.dense(coef * self._factor(lz_local, start, end))
+        if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
+            lin = (torch.arange(end - start, device=dx.device) * dx.shape[1]
+                   + self.label_col[start:end, 0])
+            writer.add(lin, ce_label[start:end, 0])
+        writer.finish()
+
+    def _ce_weight(self, scale: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """CE's weight on the T = 1 softmax of this shard (CE at T != 1)."""
+        weight = scale[start:end]
+        if not self.single:
+            weight = weight * torch.exp(self.lz1_local[start:end] - self.logz1[start:end])
+        return weight
+
+    def _writer(self, dx: torch.Tensor, z: torch.Tensor, start: int, end: int,
+                ce_scale: torch.Tensor | None) -> FusedGradWriter:
+        """The fused gradient writer of positions [start, end) into ``dx`` from their logits
+        ``z`` (p: this shard's softmax of z / T), with CE's own softmax term at T != 1."""
+        lz1 = b = None
+        if self._ce_extra:
+            lz1, b = self.lz1_local[start:end], self._ce_weight(ce_scale, start, end)
+        return FusedGradWriter(dx, z, 1.0 / self.temp, self.lz_local[start:end], lz1, b)
+
+    def _block_grad(self, data: BlockData, g_all, g_split, g_kd, blk) -> Raw:
+        """Gradient of the KD sum with respect to the block rows' raw sums."""
+        rows, kernel = self.rows, self.kernel
+        if g_all is not None:
+            return {k: v[blk.row_start: blk.row_end] for k, v in g_all.items()}
+        raw = kernel.raw(data)  # per-block kernels: recompute, then the KL's gradient
+        keys = rows.keys[blk.row_start: blk.row_end]
+        counts = rows.count[blk.row_start: blk.row_end]
+        if rows.all_local(data.index):  # all rows, in order: no [rows, V] copies
+            return self._grad_of(raw, keys, counts, g_kd)
+        out = {k: torch.zeros_like(v) for k, v in raw.items()}
+        slot = rows.split_slot[blk.row_start: blk.row_end]
+        local = rows.local_of_block(data.index)
+        if local.numel():
+            g = self._grad_of(_take(raw, local), keys[local], counts[local], g_kd)
+            for k in out:
+                out[k][local] = g[k]
+        split = rows.split_of_block(data.index)
+        if split.numel():
+            for k in out:
+                out[k][split] = g_split[k][slot[split]]
+        return out
+
+    def _ce_extra_backward(self, dx, logits2d, start: int, end: int, scale: torch.Tensor
+                           ) -> None:
+        """CE's softmax part scale * softmax(z) at T != 1 (at T = 1 it is folded into the KD
+        gradient's coefficient)."""
+        z = self._x(logits2d, start, end, unscaled=True)
+        p1 = self._workspace(end - start, dx, "p1")
+        torch.ops.aten._softmax.out(z, 1, False, out=p1)
+        dx.addcmul_(p1, self._ce_weight(scale, start, end)[:, None])
