@@ -219,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the KD term (see --ce-weight). On the quality study's "
                    "pretrained pair (SmolLM2-135M fine-tuned on code, Qwen2.5-Coder-0.5B "
                    "teacher) the teacher counts most on a small set seen several times: 3 "
-                   "epochs of 200 samples at weight 1 with --kd-first-token ended 0.052 "
-                   "bits/byte ahead of CE-only on unseen code and 0.024 on held-out stdlib "
-                   "modules (2 seeds; CE alone overfitted). One pass over 600 samples: weight "
+                   "epochs of 200 samples at weight 1 with --kd-first-token ended 0.048 "
+                   "bits/byte ahead of CE-only on unseen code and 0.026 on held-out stdlib "
+                   "modules (3 of 3 seeds; CE alone overfitted). One pass over 600 samples: weight "
                    "1 led CE-only on unseen code (0.006-0.008) and trailed it on the stdlib "
                    "(0.009), where 0.1-0.3 tied it (one seed)")
     g.add_argument("--ce-weight", type=float, default=1.0,
