@@ -165,3 +165,21 @@ def test_a_smaller_payload_topk_reads_the_shared_cache():
     for big in ("pkl_k512", "pkl_full", "pkl_t2"):
         variant = dict(cfg.variants[big])
         assert study._cache_variant(cfg, variant) == variant
+
+
+def test_a_quick_look_never_replaces_the_published_results():
+    """Only the settings of study.yaml publish: a shorter run, an overridden variant or another
+    evaluation keeps its numbers in its work directory (the published file holds the study)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(Path(study.HERE) / "study.yaml")
+    assert study.publishes(OmegaConf.merge(cfg, {"work_dir": "/elsewhere", "seeds": [2]}))
+    assert study.publishes(OmegaConf.merge(cfg, {"experiment": "real"}))
+    assert not study.publishes(OmegaConf.merge(cfg, {"signal": {"steps": 6}}))
+    assert not study.publishes(OmegaConf.merge(cfg, {"eval": {"max_chars": 2000}}))
+    assert not study.publishes(OmegaConf.merge(
+        cfg, {"variants_to_run": ["pkl_ep4"], "variants": {"pkl_ep4": {"samples_per_epoch": 16}}}))
+    assert study.publishes(OmegaConf.merge(cfg, {"variants_to_run": ["ce"],
+                                                 "variants": {"pkl_ep4": {"kd_weight": 2.0}}}))
+    assert not study.publishes(OmegaConf.merge(
+        cfg, {"variants_to_run": ["mine"], "variants": {"mine": {"kd_loss": "pkl"}}}))

@@ -395,9 +395,24 @@ def run_settings(cfg, name: str, seed: int) -> str:
                     plain(cfg.kd), plain(cfg.eval), seed])
 
 
+def publishes(cfg) -> bool:
+    """Whether this invocation's runs go to the published results: only when every variant to
+    run has the settings ``study.yaml`` gives it. A quick look (``steps=20``, an overridden
+    variant or evaluation) keeps its numbers in its work directory and never replaces the
+    published runs or held-out scores of the study itself."""
+    from omegaconf import OmegaConf
+
+    defaults = OmegaConf.merge(OmegaConf.load(HERE / "study.yaml"),
+                               {"experiment": cfg.experiment})
+    return all(name in defaults.variants
+               and run_settings(cfg, name, 1) == run_settings(defaults, name, 1)
+               for name in cfg.variants_to_run)
+
+
 def _write_results(cfg, work: Path, results: dict) -> None:
     text = json.dumps(results, indent=1)
-    for path in (work / "results.json", published_results(cfg)):
+    targets = [work / "results.json"] + ([published_results(cfg)] if publishes(cfg) else [])
+    for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(text)
@@ -416,6 +431,9 @@ def run_study(cfg) -> dict:
     if exp.lr_warmup_iters >= exp.steps:
         raise ValueError(f"{cfg.experiment}.lr_warmup_iters ({exp.lr_warmup_iters}) must be "
                          f"smaller than {cfg.experiment}.steps ({exp.steps})")
+    if not publishes(cfg):
+        say(f"settings differ from study.yaml's: results stay in {work / 'results.json'}, "
+            f"{published_results(cfg)} is left as it is")
     pairs, data = setup(cfg, work)
     heldouts = [k for k in data if k != "train"]
     results: dict = {"config": OmegaConf.to_container(cfg, resolve=True), "machine": machine(),
