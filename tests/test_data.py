@@ -252,7 +252,7 @@ def test_indexed_data_tokenizer_defaults_to_the_student_tokenizer(tmp_path):
     packing cache keys of text data stay as they were)."""
     from argparse import Namespace
 
-    from megatron_xdistill.training.run import _data_tokenizer
+    from megatron_xdistill.training.run_data import data_tokenizer as _data_tokenizer
 
     (tmp_path / "d.bin").write_bytes(b"")
     (tmp_path / "d.idx").write_bytes(b"")

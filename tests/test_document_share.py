@@ -113,7 +113,7 @@ def test_step_samples_follow_the_sampler_and_wrap():
 def _rank0_reads(fail: bool):
     import torch.distributed as dist
 
-    from megatron_xdistill.training.run import _on_rank0
+    from megatron_xdistill.training.run_data import on_rank0 as _on_rank0
 
     def read():  # runs on rank 0 only
         if fail:
