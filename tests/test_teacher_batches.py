@@ -35,6 +35,9 @@ def test_micro_batches_and_widths_per_replica():
     assert batching.widths(1, lengths) == [29, 6]
     # every sample at its micro-batch's width: 2 x (8 + 3 + 29 + 6)
     assert batching.positions_run(lengths) == 92
+    # what the forwards need to run: each sample's next-token predictions (fill = 66 / 92)
+    assert batching.positions_predicting(lengths) == 4 + 8 + 2 + 3 + 29 + 1 + 6 + 6
+    assert batching.positions_predicting([0, 1]) == 0  # an empty sample predicts nothing
     # a pipeline sends one shape per schedule call: the block's longest sets it
     piped = TeacherBatching(8, 2, 2, seq_length=32, pipelined=True)
     assert piped.widths(0, lengths) == [8, 8] and piped.widths(1, lengths) == [29, 29]

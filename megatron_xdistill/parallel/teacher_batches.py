@@ -16,10 +16,14 @@ the positions the teacher ran (the teacher's fill).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from megatron_xdistill.parallel.sample_owners import teacher_block
+
+# Teacher sample lengths by position in the global batch: a list of all, or a mapping that holds
+# at least the positions asked for (a replica's own samples).
+Lengths = Sequence[int] | Mapping[int, int]
 
 
 def positions_needed(teacher_length: int) -> int:
@@ -65,7 +69,7 @@ class TeacherBatching:
         need = max(positions_needed(int(n)) for n in teacher_lengths)
         return min(self.seq_length, math.ceil(need / self.multiple) * self.multiple)
 
-    def widths(self, dp_rank: int, teacher_lengths: Sequence[int]) -> list[int]:
+    def widths(self, dp_rank: int, teacher_lengths: Lengths) -> list[int]:
         """Width of each of replica ``dp_rank``'s micro-batches; ``teacher_lengths`` by position
         in the global batch (only the replica's own are read)."""
         micro = self.microbatches(dp_rank)
@@ -73,6 +77,12 @@ class TeacherBatching:
             block = [teacher_lengths[i] for ids in micro for i in ids]
             return [self.width(block)] * len(micro)
         return [self.width([teacher_lengths[i] for i in ids]) for ids in micro]
+
+    @staticmethod
+    def positions_predicting(teacher_lengths: Sequence[int]) -> int:
+        """Positions of a global batch that predict teacher text (a sample of n tokens has
+        n - 1; an empty one none): the numerator of the teacher's fill."""
+        return sum(max(int(n) - 1, 0) for n in teacher_lengths)
 
     def positions_run(self, teacher_lengths: Sequence[int]) -> int:
         """Teacher positions the forwards of a whole global batch run (all replicas, each

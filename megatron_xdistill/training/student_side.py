@@ -154,7 +154,7 @@ class StudentSide:
         out = [counts[0].item()]
         for k, batching in enumerate(batchings):
             chunks, taught = counts[1 + 2 * k : 3 + 2 * k].tolist()
-            out += [chunks, float(sum(max(n - 1, 0) for n in lengths[k])),
+            out += [chunks, float(batching.positions_predicting(lengths[k])),
                     float(batching.positions_run(lengths[k])), taught]
         return torch.tensor(out, dtype=torch.float64)
 
