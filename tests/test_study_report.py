@@ -150,6 +150,7 @@ def test_a_small_set_variant_trains_in_passes_over_its_own_cache():
     assert "samples-per-epoch" not in study._options(cfg, data, full, 1)
     assert study._form(cfg, small, 1) == study._form(cfg, full, 1) + "-plan200"
     assert study._form(cfg, dict(cfg.variants["ce_ep3"]), 1).endswith("-plan200")
+    assert study._form(cfg, dict(cfg.variants["gold_ep3"]), 1) == "gold-T1.0-seed1-plan200"
 
 
 def test_a_smaller_payload_topk_reads_the_shared_cache():

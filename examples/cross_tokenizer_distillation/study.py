@@ -206,8 +206,11 @@ def _form(cfg, variant: dict, seed: int) -> str:
     order = "" if cfg.experiment == "signal" else f"-seed{seed}"
     kd = _kd(cfg, variant)
     plan = _epochs(variant).get("samples-per-epoch")
-    return (f"{variant['kd_loss']}-top{kd['kd-topk']}{kd['kd-topk-mode']}"
-            f"-T{kd['kd-temperature']}{order}{'' if plan is None else f'-plan{plan}'}")
+    # gold / H-KL ship every common pair (no top-k): the payload top-k is not part of it
+    columns = "" if variant["kd_loss"] in ("gold", "hkl") else \
+        f"-top{kd['kd-topk']}{kd['kd-topk-mode']}"
+    return (f"{variant['kd_loss']}{columns}-T{kd['kd-temperature']}{order}"
+            f"{'' if plan is None else f'-plan{plan}'}")
 
 
 def _cache_variant(cfg, variant: dict) -> dict:
