@@ -273,6 +273,7 @@ def test_ce_only_runs_no_teacher_and_trains_like_a_negligible_kd_weight(e2e_setu
     steps = [r for r in records if "kd" in r]
     assert steps and all(r["shipped_bytes_per_token"] == 0 and r["time_teacher"] == 0
                          and r["payload_bytes_per_token"] == 0 for r in steps)
+    assert not any("teacher_fill" in r for r in steps), "no teacher ran: no fill to report"
 
 
 def test_samples_per_epoch_repeats_the_plan(e2e_setup, e2e_reference, e2e_pool):

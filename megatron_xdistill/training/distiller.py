@@ -355,15 +355,18 @@ class Distiller:
                "teacher_fill": round(report.teacher_fill, 4)}
         out.update(source, shipped_bytes_per_token=round(
             self.shipped_bytes_per_step / max(tokens, 1.0), 1))
+        if self.ce_only:  # no teacher ran: no positions to fill
+            del out["teacher_fill"]
         if report.teachers:  # several: each teacher's agreement below, none combined
             del out["top1_agree"]
         for lane, teacher in zip(self.lanes, report.teachers or [], strict=False):
             name = teacher["name"]
             out.update({f"kd/{name}": teacher["kd"], f"top1_agree/{name}": teacher["top1_agree"],
                         f"chunks/{name}": int(teacher["chunks"]),
-                        f"teacher_fill/{name}": round(teacher["teacher_fill"], 4),
                         f"payload_bytes_per_token/{name}": round(
                             lane.kd.payload_bytes_per_token, 1)})
+            if not self.ce_only:
+                out[f"teacher_fill/{name}"] = round(teacher["teacher_fill"], 4)
             if self.combination.selects:
                 out[f"selected/{name}"] = teacher["samples"] / max(self.args.global_batch_size, 1)
         return out
