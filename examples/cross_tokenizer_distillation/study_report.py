@@ -46,6 +46,17 @@ def summarize(results: dict) -> dict:
     return out
 
 
+def _num(value: float, spec: str) -> str:
+    """A number, or "-" where one seed leaves it undefined (a spread, a t statistic)."""
+    return "-" if math.isnan(value) else format(value, spec)
+
+
+def _pm(mean: float, std: float, sign: bool = False) -> str:
+    """``mean +- std``; the mean alone with one seed."""
+    text = format(mean, "+.4f" if sign else ".4f")
+    return text if math.isnan(std) else f"{text} +- {std:.4f}"
+
+
 def _mean_std(values) -> tuple[float, float]:
     values = list(values)
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
@@ -159,12 +170,12 @@ def write_report(results: dict, out: Path) -> Path:
                   "| model | seeds | bits/byte |", "|---|---|---|"]
         if summary["before"]:
             m, sd = _mean_std(summary["before"])
-            lines.append(f"| student before training | {len(summary['before'])} | {m:.4f} +- "
-                         f"{sd:.4f} |")
+            lines.append(f"| student before training | {len(summary['before'])} | "
+                         f"{_pm(m, sd)} |")
         for variant, values in summary["variants"].items():
             m, sd = _mean_std(values.values())
-            lines.append(f"| {cfg['variants'][variant]['label']} | {len(values)} | {m:.4f} +- "
-                         f"{sd:.4f} |")
+            lines.append(f"| {cfg['variants'][variant]['label']} | {len(values)} | "
+                         f"{_pm(m, sd)} |")
         lines.append(f"| teacher ({exp['teacher']}) | - | {summary['teacher']:.4f} |")
         lines += [f"| teacher ({other}) | - | {value:.4f} |"
                   for other, value in summary["other_teachers"].items()]
@@ -180,9 +191,10 @@ def write_report(results: dict, out: Path) -> Path:
               "|---|---|---|---|---|---|---|---|---|---|"]
     for v in verdicts(results):
         lines.append(f"| {v['heldout']} | {cfg['variants'][v['variant']]['label']} | "
-                     f"{cfg['variants'][v['baseline']]['label']} | {v['seeds']} | {v['diff']:+.4f} +- {v['diff_std']:.4f} | "
-                     f"{2 * v['spread']:.4f} | {_verdict(v)} | "
-                     f"{v['seeds_better']}/{v['seeds']} | {v['paired_t']:.1f} | "
+                     f"{cfg['variants'][v['baseline']]['label']} | {v['seeds']} | "
+                     f"{_pm(v['diff'], v['diff_std'], sign=True)} | "
+                     f"{_num(2 * v['spread'], '.4f')} | {_verdict(v)} | "
+                     f"{v['seeds_better']}/{v['seeds']} | {_num(v['paired_t'], '.1f')} | "
                      f"{100 * v['gap_closed']:.1f}% |")
     plot = _plot(results, out)
     if plot:
