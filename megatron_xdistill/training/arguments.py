@@ -221,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "teacher) the teacher counts most on a small set seen several times: 3 "
                    "epochs of 200 samples at weight 1 with --kd-first-token ended 0.048 "
                    "bits/byte ahead of CE-only on unseen code and 0.026 on held-out stdlib "
-                   "modules (3 of 3 seeds; CE alone overfitted). One pass over 600 samples: weight "
+                   "modules (3 of 3 seeds; CE alone overfitted); an 11M random-init student, 4 "
+                   "epochs of 1000 samples, SmolLM2-135M teacher: 0.10 and 0.17 ahead on both "
+                   "held-out sets (3 of 3 seeds). One pass over 600 samples: weight "
                    "1 led CE-only on unseen code (0.006-0.008) and trailed it on the stdlib "
                    "(0.009), where 0.1-0.3 tied it (one seed)")
     g.add_argument("--ce-weight", type=float, default=1.0,
