@@ -102,12 +102,14 @@ def _kd(cfg, variant: dict) -> dict:
 
 def _form(cfg, variant: dict, seed: int) -> str:
     """The payload form of a variant (what its teacher cache holds)."""
+    from megatron_xdistill.training.kd_adapter import payload_form
+
     order = "" if cfg.experiment == "signal" else f"-seed{seed}"
     kd = _kd(cfg, variant)
     plan = _epochs(variant).get("samples-per-epoch")
-    # gold / H-KL ship every common pair (no top-k): the payload top-k is not part of it
-    columns = "" if variant["kd_loss"] in ("gold", "hkl") else \
-        f"-top{kd['kd-topk']}{kd['kd-topk-mode']}"
+    # the gold form ships every common pair (no top-k): the payload top-k is not part of it
+    gold = payload_form(variant["kd_loss"], kd["kd-topk"], kd["kd-topk-mode"]) == "gold"
+    columns = "" if gold else f"-top{kd['kd-topk']}{kd['kd-topk-mode']}"
     return (f"{variant['kd_loss']}{columns}-T{kd['kd-temperature']}{order}"
             f"{'' if plan is None else f'-plan{plan}'}")
 
@@ -311,9 +313,9 @@ def publishes(cfg) -> bool:
                for name in cfg.variants_to_run)
 
 
-def _write_results(cfg, work: Path, results: dict) -> None:
+def _write_results(cfg, work: Path, results: dict, publish: bool) -> None:
     text = json.dumps(results, indent=1)
-    targets = [work / "results.json"] + ([published_results(cfg)] if publishes(cfg) else [])
+    targets = [work / "results.json"] + ([published_results(cfg)] if publish else [])
     for path in targets:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -333,7 +335,8 @@ def run_study(cfg) -> dict:
     if exp.lr_warmup_iters >= exp.steps:
         raise ValueError(f"{cfg.experiment}.lr_warmup_iters ({exp.lr_warmup_iters}) must be "
                          f"smaller than {cfg.experiment}.steps ({exp.steps})")
-    if not publishes(cfg):
+    publish = publishes(cfg)
+    if not publish:
         say(f"settings differ from study.yaml's: results stay in {work / 'results.json'}, "
             f"{published_results(cfg)} is left as it is")
     pairs, data = setup(cfg, work)
@@ -388,7 +391,7 @@ def run_study(cfg) -> dict:
                 evals[f"{key}/{name}"] = evaluate(
                     cfg, work, f"{key}-{name}", ["--load", str(run_dir / "ckpt")], data[name],
                     f"{run_dir}:{tracker.stat().st_mtime}")
-            _write_results(cfg, work, results)
+            _write_results(cfg, work, results, publish)
     write_report(results, Path(cfg.report_dir).resolve())
     return results
 
