@@ -351,12 +351,11 @@ class Distiller:
         tokens = source.get("tokens", report.tokens)
         out = {"kd": report.kd, "ce": report.ce, "top1_agree": report.top1_agree,
                "grad_norm": report.grad_norm, "lr": report.lr, "skipped": int(report.skipped),
-               "chunks": int(report.chunks), "tokens": int(report.tokens),
-               "teacher_fill": round(report.teacher_fill, 4)}
+               "chunks": int(report.chunks), "tokens": int(report.tokens)}
+        if not self.ce_only:  # CE only: no teacher ran, no positions to fill
+            out["teacher_fill"] = round(report.teacher_fill, 4)
         out.update(source, shipped_bytes_per_token=round(
             self.shipped_bytes_per_step / max(tokens, 1.0), 1))
-        if self.ce_only:  # no teacher ran: no positions to fill
-            del out["teacher_fill"]
         if report.teachers:  # several: each teacher's agreement below, none combined
             del out["top1_agree"]
         for lane, teacher in zip(self.lanes, report.teachers or [], strict=False):
