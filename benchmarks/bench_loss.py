@@ -200,7 +200,7 @@ labels = torch.randint(0, vs, (1, n), generator=torch.Generator().manual_seed(1)
 timings = []
 if form == "ce":
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
-    from megatron_xdistill import mcore_compat
+    from megatron_xdistill.mcore import compat as mcore_compat
     mcore_compat.install()
     import torch.distributed as dist
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy

@@ -73,7 +73,7 @@ def _spawned(rank: int, world_size: int, port: int, fn: Callable[..., Any], args
              kwargs: dict, results: Any) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(_threads_per_rank(world_size))
-    from megatron_xdistill import mcore_compat
+    from megatron_xdistill.mcore import compat as mcore_compat
 
     mcore_compat.install()
     quiet_known_noise()
@@ -92,7 +92,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, **kwarg
     Under torchrun (``WORLD_SIZE`` set) the launched world is used as it is. A rank that fails
     stops all of them and the error (with its traceback) is raised here.
     """
-    from megatron_xdistill import mcore_compat
+    from megatron_xdistill.mcore import compat as mcore_compat
 
     mcore_compat.install()
     quiet_known_noise()

@@ -37,7 +37,7 @@ def pytest_configure(config) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # Megatron-Core adapted to this machine, as pretrain_xdistill.py does at start-up (after
     # CUDA_VISIBLE_DEVICES: on a CPU session its CPU adaptations apply).
-    from megatron_xdistill import mcore_compat
+    from megatron_xdistill.mcore import compat as mcore_compat
 
     mcore_compat.install()
 

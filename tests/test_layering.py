@@ -7,8 +7,8 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_xdistill"
-#: Stages in order; each may import the ones before it (and the package's root modules).
-ORDER = ["storage", "align", "projection", "loss", "parallel", "transport", "models", "data",
+#: Stages in order; each may import the ones before it.
+ORDER = ["mcore", "storage", "align", "projection", "loss", "parallel", "transport", "models", "data",
          "generation", "teacher_cache", "teachers", "onpolicy", "evaluation", "training",
          "launch", "demo", "testing"]
 
@@ -37,3 +37,9 @@ def test_every_stage_imports_only_earlier_stages():
                 if target not in allowed:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {target}")
     assert not wrong, "imports against the stage order:\n" + "\n".join(wrong)
+
+
+def test_no_loose_modules_at_the_package_root():
+    """Every module belongs to a stage: the package root holds only ``__init__.py``."""
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"move these into a stage folder (and ORDER): {loose}"

@@ -1,4 +1,4 @@
-"""Importing megatron_xdistill changes nothing in torch or Megatron; ``mcore_compat.install()``
+"""Importing megatron_xdistill changes nothing in torch or Megatron; ``mcore.compat.install()``
 (called by the entry points) does, and building a model without it is refused by name."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ _CHILD = textwrap.dedent("""
     from torch.overrides import _get_current_function_mode_stack
 
     current_device = torch.cuda.current_device
-    from megatron_xdistill import mcore_compat, models
+    from megatron_xdistill import models
+    from megatron_xdistill.mcore import compat as mcore_compat
     import megatron.core  # noqa: F401  (importable without Triton once the package is)
     import megatron_xdistill.training.distiller  # noqa: F401  (the whole runtime imports)
 
@@ -22,9 +23,9 @@ _CHILD = textwrap.dedent("""
     try:
         models.build_gpt_model(None, None)  # refused before its arguments are looked at
     except RuntimeError as exc:
-        assert "mcore_compat.install()" in str(exc) and "GPTModel" in str(exc), exc
+        assert "mcore.compat.install()" in str(exc) and "GPTModel" in str(exc), exc
     else:
-        raise AssertionError("a model was built without mcore_compat.install()")
+        raise AssertionError("a model was built without mcore.compat.install()")
     mcore_compat.install()
     assert _get_current_function_mode_stack(), "install() did not adapt Megatron to the CPU"
     assert torch.cuda.current_device() == torch.device("cpu")

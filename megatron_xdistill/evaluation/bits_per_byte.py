@@ -169,7 +169,7 @@ def single_process_world() -> bool:
     """A one-rank gloo world unless one exists; returns whether it was created here."""
     import torch.distributed as dist
 
-    from megatron_xdistill import mcore_compat
+    from megatron_xdistill.mcore import compat as mcore_compat
 
     mcore_compat.install()
     if dist.is_initialized():

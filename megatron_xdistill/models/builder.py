@@ -16,7 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
-from megatron_xdistill import mcore_compat
+from megatron_xdistill.mcore import compat as mcore_compat
 from megatron_xdistill.models import gemma3
 from megatron_xdistill.models.hf_config import ModelInfo, model_info_from_hf
 from megatron_xdistill.models.specs import (

@@ -61,7 +61,7 @@ def _worker(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    from megatron_xdistill import mcore_compat
+    from megatron_xdistill.mcore import compat as mcore_compat
 
     mcore_compat.install()
     try:

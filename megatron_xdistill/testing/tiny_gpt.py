@@ -12,7 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
-from megatron_xdistill import mcore_compat
+from megatron_xdistill.mcore import compat as mcore_compat
 from megatron_xdistill.models.specs import gpt_layer_spec, torch_block_spec
 
 TINY_VOCAB = 256

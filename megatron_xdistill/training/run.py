@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_xdistill import mcore_compat
+from megatron_xdistill.mcore import compat as mcore_compat
 from megatron_xdistill.parallel.group_scope import run_process_groups
 from megatron_xdistill.training.run_data import (
     check_vocabularies,

@@ -16,7 +16,7 @@ a process per rank that a killed rank leaves behind (:func:`_in_process_write_re
 Entry points call :func:`install` once at start-up (``pretrain_xdistill.py``, the CLIs, the test
 suite's configuration, the benchmarks), before any model is built; importing this package changes
 nothing in torch or Megatron. Only what ``import megatron.core`` itself needs on a machine without
-Triton is done when the package is imported (:mod:`megatron_xdistill._megatron_import`).
+Triton is done when the package is imported (:mod:`megatron_xdistill.mcore.importable`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_xdistill._megatron_import import make_megatron_importable
+from megatron_xdistill.mcore.importable import make_megatron_importable
 
 _INSTALLED = False
 _CUDA_MODE: _CudaToCpuMode | None = None
@@ -314,7 +314,7 @@ def require_installed(what: str) -> None:
     would fail on a CPU deep inside (or, on GPUs, save and resume some states wrongly)."""
     if not _INSTALLED:
         raise RuntimeError(
-            f"{what} needs megatron_xdistill.mcore_compat.install() first (it adapts "
+            f"{what} needs megatron_xdistill.mcore.compat.install() first (it adapts "
             f"Megatron-Core to this machine; pretrain_xdistill.py, xdistill-convert, "
             f"xdistill-evaluate and the test suite call it at start-up): call it once before "
             f"using megatron_xdistill's models or runtime from your own code")

@@ -5,7 +5,7 @@ Megatron-Core imports Triton at module level in one place it never uses without 
 stash, reached from ``import megatron.core``); where Triton is missing a stand-in module that
 raises on use takes its place. Megatron's import-time warnings about optional accelerators it
 then does without (TE, Apex, absl) are silenced. Nothing else changes here: the adaptations that
-change behaviour are :func:`megatron_xdistill.mcore_compat.install`'s, called by entry points.
+change behaviour are :func:`megatron_xdistill.mcore.compat.install`'s, called by entry points.
 """
 
 from __future__ import annotations
