@@ -164,8 +164,9 @@ def test_interrupted_driver_stops_all_ranks(cluster, tmp_path):
            "--out", str(tmp_path), "--steps", "500", "--step-sleep", "0.2", "--spawn-child"]
     driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: sum(map(bool, records(tmp_path, "step").values())) == WORLD
-                  or driver.poll() is not None, 300, "all ranks to take a step")
+        # two step records per rank: each printed its step-1 line a step (0.2 s) before
+        _wait_for(lambda: sum(len(v) >= 2 for v in records(tmp_path, "step").values()) == WORLD
+                  or driver.poll() is not None, 300, "all ranks to take two steps")
         driver.send_signal(signal.SIGINT)
         out, err = driver.communicate(timeout=120)
     finally:

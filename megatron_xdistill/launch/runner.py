@@ -174,7 +174,7 @@ class _Attempt:
             return self._watch(refs)
         finally:
             with _signals_deferred():
-                self._drain(0.5)  # after an interrupt: what the ranks printed last
+                self._drain(quiet_s=1.0, limit_s=3.0)  # after an interrupt: the last lines
                 self._stop(actors)
 
     def _create(self, spec: RankSpec) -> Any:
@@ -294,16 +294,22 @@ class _Attempt:
         return Failure(rank, result["code"], message,
                        "collective" if result["collective"] else "error", result["time"])
 
-    def _drain(self, timeout_s: float = 2.0) -> None:
-        """Print what is still in flight to the sink."""
-        end = time.monotonic() + timeout_s
+    def _drain(self, quiet_s: float = 0.2, limit_s: float = 2.0) -> None:
+        """Print what is still in flight to the sink: until no line came for ``quiet_s`` (lines
+        that ranks printed just before an interrupt are still on their way), at most ``limit_s``."""
+        end = time.monotonic() + limit_s
+        quiet_until = time.monotonic() + quiet_s  # a take made earlier may have come back empty
         while self._take is not None:
             try:
                 items = ray.get(self._take, timeout=max(0.1, end - time.monotonic()))
             except GetTimeoutError:
                 return
             self.printer.lines(items)
-            self._take = self.sink.take.remote(0.0) if items and time.monotonic() < end else None
+            now = time.monotonic()
+            if items:
+                quiet_until = now + quiet_s
+            wait = min(quiet_until, end) - now
+            self._take = self.sink.take.remote(wait) if wait > 0 else None
 
     def _stop(self, actors: list[Any]) -> None:
         """Kill the actors, then every process they started, on every node of the job."""
