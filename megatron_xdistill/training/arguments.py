@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="projected KL (pkl), gold/ULD hybrid (gold) or H-KL (hkl). pkl is the "
                    "default for its cost: a payload of --kd-topk columns per chunk (522 B per "
                    "student token at top-64). gold ships every common-vocabulary probability "
-                   "(120-190 KB per token, 230-365x) and its loss is ~10x pkl's on CPU, but it "
-                   "taught best in the quality study (random-init student, 3 seeds: 0.06 / 0.09 "
+                   "(120-190 KB per token, 230-365x) and its loss is 4-5x pkl's on CPU "
+                   "(benchmarks/bench_loss.py), but it taught best in the quality study (random-init student, 3 seeds: 0.06 / 0.09 "
                    "bits/byte ahead of pkl top-64; pretrained pair, 1 seed: on a par): use it "
                    "where an online teacher on the same node can afford the payload "
                    "(examples/cross_tokenizer_distillation/REPORT.md)")
