@@ -35,6 +35,8 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   2        full      23.6         16.0         33%
   2        gold       9.2          5.9         9.5%
   (V_s = 128,256, 2 threads, after: full 9.6x, gold 5.4x, chunk_topk 1.3x)
+  Re-measured at b8166f2 (2026-11-28, another machine, 4,096 tokens, V_s = 49,152): gold 5.7x
+  (1 thread) / 7.8x (2 threads), chunk_topk 0.84x / 0.90x: gold is 7-9x the top-k form.
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least
