@@ -37,6 +37,9 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   (V_s = 128,256, 2 threads, after: full 9.6x, gold 5.4x, chunk_topk 1.3x)
   Re-measured at b8166f2 (2026-11-28, another machine, 4,096 tokens, V_s = 49,152): gold 5.7x
   (1 thread) / 7.8x (2 threads), chunk_topk 0.84x / 0.90x: gold is 7-9x the top-k form.
+  Not a regression: A/B on one machine state (2,048 tokens, 1 thread, runs alternated twice),
+  bf91f04 (before the JSD and sample-weight changes to gold's kernel) 6.95x / 6.62x, bf70a2b
+  6.86x / 6.24x; the 5.9x of 2026-11-25 was another machine.
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least
