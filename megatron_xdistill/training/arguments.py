@@ -188,11 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "default for its cost: a payload of --kd-topk columns per chunk (522 B per "
                    "student token at top-64). gold ships every common-vocabulary probability "
                    "(120-190 KB per token, 230-365x) and its loss is 7-9x pkl's on CPU "
-                   "(benchmarks/bench_loss.py). In the quality study (3 seeds each) gold taught "
-                   "a random-init student best (0.06 / 0.09 bits/byte ahead of pkl top-64) and a "
-                   "pretrained one a little worse than pkl with --kd-first-token (0.005 / 0.009 "
-                   "behind): try it where an online teacher on the same node can afford the "
-                   "payload (examples/cross_tokenizer_distillation/REPORT.md)")
+                   "(benchmarks/bench_loss.py); hkl costs the same. In the quality study (3 seeds "
+                   "each) gold and hkl taught a random-init student best (0.06 / 0.09-0.12 "
+                   "bits/byte ahead of pkl top-64; hkl, whose common vocabulary adds rows of "
+                   "top-1 weight >= 0.6, 0.03 ahead of gold on one held-out set, within the seed "
+                   "spread) and gold a pretrained one a little worse than pkl with "
+                   "--kd-first-token (0.005 / 0.009 behind): try them where an online teacher on "
+                   "the same node can afford the payload "
+                   "(examples/cross_tokenizer_distillation/REPORT.md)")
     g.add_argument("--kd-temperature", type=float, default=1.0)
     g.add_argument("--kd-topk", type=int, default=64,
                    help="teacher columns shipped: N = top-N (see mode); 0 = the full vocabulary "
