@@ -40,14 +40,30 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   Not a regression: A/B on one machine state (2,048 tokens, 1 thread, runs alternated twice),
   bf91f04 (before the JSD and sample-weight changes to gold's kernel) 6.95x / 6.62x, bf70a2b
   6.86x / 6.24x; the 5.9x of 2026-11-25 was another machine.
+  Gold's backward without a second sort (``loss/sorted_l1.py``: the forward sorts the values,
+  keeps where the signs of sorted student - teacher change, and the recomputing backward finds
+  each value's sign by comparing it with those few values; 2026-11-28, A/B against f753cbe on
+  one machine state, runs alternated; s per forward + backward, CPU-time ratio to CE):
+
+  tokens  threads  dtype  before               after
+   2,048     1     fp32   2.62-2.64 s, 5.6-6.3x   1.97-2.16 s, 4.8-5.2x
+   2,048     1     bf16   2.68 s, 5.0x            2.08 s, 3.8x
+   4,096     1     fp32   4.88-4.90 s, 6.1-6.2x   3.89-4.31 s, 4.9-5.1x
+   4,096     2     fp32   4.15 s wall, 8.5x       3.87-4.02 s wall, 8.1-8.3x
+
+  Same extra memory (8.7-10.6% of the logits). With 2 threads the forward's sort, one thread
+  (NumPy), is 27% of the wall and the [rows, 24k] element-wise work hardly speeds up, so the
+  2-thread ratio barely moves; chunk top-k there is 0.89x CE, gold 9x it.
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least
 three times per chunk (teacher-only terms, and P on W's image in forward and in the recomputing
 backward), and its projection is a sparse gather of ~2.7 entries per student column with no
 locality (about 5 ns per entry here, 7x a softmax pass over the same rows), done twice.
-Gold's L1 needs each chunk's 8,192 largest uncommon values sorted (0.1 ms per row for the
-values, 0.3 ms with their columns in the backward: 0.85x CE on its own). The compact default
+Gold's L1 needs each chunk's 8,192 largest uncommon values sorted (0.1-0.3 ms per row,
+values only; before ``sorted_l1`` the backward sorted again with their columns, 2.2x that), and
+every chunk row costs several passes over both halves of the vocabulary (means, exps, the
+common-vocabulary KL) forward and again in the recomputing backward. The compact default
 (chunk top-64 + tail) is the form to train with; these two are for checking and for gold's
 uncommon-vocabulary term.
 

@@ -2,7 +2,8 @@
 
 ``ImageProjection`` (the exact P-KL's projection onto the image of W; Numba on CPU, torch on other
 devices: both paths run here) against a dense [V_s, V_t] product; ``sorted_top`` (gold's sorted
-uncommon values; NumPy on CPU) against ``torch.topk``, values and gradients.
+uncommon values; NumPy on CPU) and ``sorted_l1`` (gold's L1 of the sorted values, whose backward
+finds each element's sign run instead of sorting) against ``torch.topk``, values and gradients.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_xdistill.loss import sorted_l1 as l1
 from megatron_xdistill.loss.image_projection import ImageProjection
 from megatron_xdistill.loss.shard import ProjectionShard
 from megatron_xdistill.loss.sorted_top import sorted_top
@@ -92,6 +94,142 @@ def test_sorted_top_equals_topk_with_its_gradient(n):
         torch.testing.assert_close(sorted_top(x, n), x.topk(n, dim=1).values)
     finite = torch.isfinite(x)  # tied -inf pads may be taken in any order (exp(-inf) = 0 in gold)
     torch.testing.assert_close(mine.grad[finite], ref.grad[finite])
+
+
+def _l1_reference(a: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L1 of the sorted values and its gradient by torch.topk's autograd."""
+    ref = a.clone().requires_grad_(True)
+    value = (ref.topk(t.shape[1], dim=1).values.exp() - t).abs().sum(-1)
+    value.sum().backward()
+    return value.detach(), ref.grad
+
+
+def _l1_case(rows: int, m: int, n: int, runs: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log values [rows, m] and sorted teacher values [rows, n]: "few" sign runs (the teacher
+    a scaled copy of the student's sorted values, crossing them a few times) or "many"."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.log_softmax(torch.randn(rows, m, generator=gen, dtype=torch.float64) * 2, -1)
+    top = a.topk(n, dim=1).values.exp()
+    if runs == "few":
+        wave = 1.0 + 0.5 * torch.sin(torch.linspace(0.3, 6.3, n, dtype=torch.float64))
+        t = (top * wave).sort(-1, descending=True).values
+    else:
+        t = (top * (1 + 0.3 * torch.randn(rows, n, generator=gen, dtype=torch.float64))
+             ).abs().sort(-1, descending=True).values
+    return a, t
+
+
+@pytest.mark.parametrize("runs", ["few", "many"])
+@pytest.mark.parametrize("n", [1, 37, 200])
+def test_sorted_l1_equals_topk_with_its_gradient(runs, n):
+    a, t = _l1_case(5, 200, n, runs, seed=n)
+    starts = l1._sign_runs(a.topk(n, 1).values, t, a, a.sum(1)).starts.shape[1]
+    if n == 200:  # both lookups are taken: comparison passes and binary search
+        assert (starts <= l1._PASSES_UP_TO) == (runs == "few")
+    mine = a.clone().requires_grad_(True)
+    value = l1.sorted_l1(mine, t)
+    value.sum().backward()
+    want, grad = _l1_reference(a, t)
+    torch.testing.assert_close(value.detach(), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(mine.grad, grad, rtol=1e-12, atol=1e-300)
+    assert int((mine.grad != 0).sum()) == 5 * n  # the n largest of each row, no other
+
+
+def test_sorted_l1_backward_reuses_the_forwards_runs_only_for_the_same_values():
+    """The loss's pattern: a forward without autograd, then the same rows recomputed under
+    autograd for the backward. The memo's runs serve the recompute (no second sort); a
+    recompute whose values differ sorts again and still gets the right gradient."""
+    a, t = _l1_case(4, 300, 64, "few", seed=3)
+    memo, keys = l1.RunMemo(10), torch.tensor([7, 2, 5, 0])
+    with torch.no_grad():
+        first = l1.sorted_l1(a, t, memo, keys)
+    assert bool(torch.isfinite(memo.checksum[keys]).all())
+    calls = []
+    real = l1._top_values
+    l1._top_values = lambda *args: calls.append(1) or real(*args)
+    try:
+        mine = a.clone().requires_grad_(True)
+        l1.sorted_l1(mine, t, memo, keys).sum().backward()
+        assert calls == [] and not bool(torch.isfinite(memo.checksum).any())  # used once
+        with torch.no_grad():
+            l1.sorted_l1(a, t, memo, keys)
+        assert calls == [1]
+        moved = a.clone()
+        moved[2, 0] += 1e-3  # one row is not what its runs were found on
+        other = moved.clone().requires_grad_(True)
+        l1.sorted_l1(other, t, memo, keys).sum().backward()
+        assert calls == [1, 1]
+    finally:
+        l1._top_values = real
+    torch.testing.assert_close(first, _l1_reference(a, t)[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(mine.grad, _l1_reference(a, t)[1], rtol=1e-12, atol=1e-300)
+    torch.testing.assert_close(other.grad, _l1_reference(moved, t)[1], rtol=1e-12, atol=1e-300)
+
+
+def test_sorted_l1_memo_keeps_no_row_with_more_runs_than_it_holds():
+    a, t = _l1_case(3, 200, 200, "many", seed=5)
+    memo, keys = l1.RunMemo(3, capacity=4), torch.arange(3)
+    with torch.no_grad():
+        l1.sorted_l1(a, t, memo, keys)
+    assert not bool(torch.isfinite(memo.checksum).any())
+    mine = a.clone().requires_grad_(True)
+    l1.sorted_l1(mine, t, memo, keys).sum().backward()
+    torch.testing.assert_close(mine.grad, _l1_reference(a, t)[1], rtol=1e-12, atol=1e-300)
+
+
+def _group_sums(a: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    """Per row, the gradient summed over each set of equal values (in value order)."""
+    return [torch.zeros(int(inv.max()) + 1, dtype=grad.dtype).index_add_(0, inv, g)
+            for row, g in zip(a, grad) for inv in [torch.unique(row, return_inverse=True)[1]]]
+
+
+@pytest.mark.parametrize("where", ["threshold", "run start"])
+def test_sorted_l1_ties_share_their_ranks_signs(where):
+    """Equal values where ranks decide (at the n-th value with more equal ones beyond, or on
+    both sides of a change of sign) share the signs of the ranks they hold: the same sum over
+    the group as torch.topk's (which gives them to some of the tied elements), the rest alike."""
+    a = torch.log(torch.tensor([[0.30, 0.20, 0.20, 0.10, 0.05, 0.15]], dtype=torch.float64))
+    if where == "threshold":  # n = 2: 0.30 and one of the two 0.20s, both signs +
+        t, tied = torch.tensor([[0.10, 0.10]], dtype=torch.float64), 0.5 * 0.20
+    else:  # n = 4 sorted 0.30 0.20 | 0.20 0.15: signs + + then - -, the 0.20s get + and -
+        t, tied = torch.tensor([[0.10, 0.10, 0.25, 0.25]], dtype=torch.float64), 0.0
+    mine = a.clone().requires_grad_(True)
+    value = l1.sorted_l1(mine, t)
+    value.sum().backward()
+    want, grad = _l1_reference(a, t)
+    torch.testing.assert_close(value.detach(), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(mine.grad[0, 1:3], torch.full((2,), tied, dtype=torch.float64))
+    for got, ref in zip(_group_sums(a, mine.grad), _group_sums(a, grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-15)
+    untied = torch.tensor([True, False, False, True, True, True])
+    torch.testing.assert_close(mine.grad[0, untied], grad[0, untied])
+
+
+@pytest.mark.parametrize("memo", [False, True])
+def test_sorted_l1_with_many_ties_has_topks_sum_over_every_group(memo):
+    """Coarsely rounded values (as low-precision logits give): the value is the dense one and
+    the gradient summed over each set of equal values is torch.topk's, with or without the
+    forward's runs kept for the backward."""
+    gen = torch.Generator().manual_seed(4)
+    a = (torch.log_softmax(torch.randn(6, 400, generator=gen, dtype=torch.float64) * 2, -1)
+         * 4).round() / 4
+    n = 150
+    top = a.topk(n, 1).values.exp()
+    wave = 1.0 + 0.5 * torch.sin(torch.linspace(0.3, 9.3, n, dtype=torch.float64))
+    t = (top * wave).sort(-1, descending=True).values  # a few runs: the memo keeps them
+    runs, keys = (l1.RunMemo(6), torch.arange(6)) if memo else (None, None)
+    if memo:
+        with torch.no_grad():
+            l1.sorted_l1(a, t, runs, keys)
+        assert bool(torch.isfinite(runs.checksum).all()) and int(runs.count[:, 1].sum()) > 0
+    mine = a.clone().requires_grad_(True)
+    value = l1.sorted_l1(mine, t, runs, keys)
+    value.sum().backward()
+    want, grad = _l1_reference(a, t)
+    assert l1._sign_runs(a.topk(n, 1).values, t, a, a.sum(1)).tie_values.shape[1] > 0
+    torch.testing.assert_close(value.detach(), want, rtol=1e-12, atol=0)
+    for got, ref in zip(_group_sums(a, mine.grad), _group_sums(a, grad)):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-15)
 
 
 @pytest.mark.parametrize("block_tokens", [1, 3, 7, 50, 10_000])

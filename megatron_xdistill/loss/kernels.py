@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from . import row_softmax
+from . import row_softmax, sorted_l1
 from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .common import EPS, TINY
-from .formulas import divergence, gold_kl, projected_kl
+from .formulas import divergence, projected_kl
 from .fused_grad import FusedGradWriter
 from .image_projection import ImageProjection
 from .payload import TeacherPayload
@@ -372,6 +372,7 @@ class GoldKernel:
         uncommon[self.col_common] = False
         self.col_uncommon = torch.nonzero(uncommon, as_tuple=True)[0]
         self.num_uncommon = num_uncommon
+        self.runs: sorted_l1.RunMemo | None = None  # the forward's sign runs (CPU, TP 1)
 
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
         return {"x": like.new_zeros(n, self.num_real), "lz": like.new_zeros(n)}
@@ -401,11 +402,18 @@ class GoldKernel:
         a_unc = mean_logprobs(self.col_uncommon)
         if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
             a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
-        merged = sorted_top(a_unc, n)  # descending
-        if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
-            merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        kl = gold_kl(a_common, b_common, merged.exp(), t_sorted, self.beta)
+        kl = divergence(b_common, a_common.exp(), a_common, self.beta)
+        if group_size(self.tp_group) == 1 and sorted_l1.supported(a_unc):
+            if self.runs is None:
+                self.runs = sorted_l1.RunMemo(self.payload.uncommon_probs.shape[0]
+                                              * self.payload.uncommon_probs.shape[1])
+            kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self.runs, keys)
+        else:
+            merged = sorted_top(a_unc, n)  # descending
+            if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
+                merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
+            kl = kl + (merged.exp() - t_sorted).abs().sum(-1)
         if not top1:
             return kl, None
         if self.num_common:

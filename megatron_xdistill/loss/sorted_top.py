@@ -1,4 +1,5 @@
-"""The n largest values of each row, sorted descending, differentiable: gold's uncommon part.
+"""The n largest values of each row, sorted descending, differentiable: gold's uncommon part
+where :mod:`.sorted_l1` does not run (TP > 1: the ranks' candidates are merged; other devices).
 
 ``torch.topk`` with large n (gold sorts up to 8,192 of the ~tens of thousands of uncommon
 columns per chunk) is slow on CPU: about 0.8 ms per row of 24,576 floats, the largest cost of the
