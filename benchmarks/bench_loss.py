@@ -40,20 +40,23 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   Not a regression: A/B on one machine state (2,048 tokens, 1 thread, runs alternated twice),
   bf91f04 (before the JSD and sample-weight changes to gold's kernel) 6.95x / 6.62x, bf70a2b
   6.86x / 6.24x; the 5.9x of 2026-11-25 was another machine.
-  Gold's backward without a second sort (``loss/sorted_l1.py``: the forward sorts the values,
-  keeps where the signs of sorted student - teacher change, and the recomputing backward finds
-  each value's sign by comparing it with those few values; 2026-11-28, A/B against f753cbe on
-  one machine state, runs alternated; s per forward + backward, CPU-time ratio to CE):
+  Gold's backward without a second sort and without autograd (``loss/sorted_l1.py``: the
+  forward sorts the values and keeps where the signs of sorted student - teacher change; the
+  backward finds each value's sign by comparing it with those few values, in NumPy, and
+  ``GoldKernel.raw_grad`` writes the forward KL's gradient directly: the common part's is
+  -p_teacher, no recompute of the student's means; 2026-11-28, A/B against f753cbe on one
+  machine state, runs alternated; s per forward + backward, CPU-time ratio to CE):
 
-  tokens  threads  dtype  before               after
-   2,048     1     fp32   2.62-2.64 s, 5.6-6.3x   1.97-2.16 s, 4.8-5.2x
-   2,048     1     bf16   2.68 s, 5.0x            2.08 s, 3.8x
-   4,096     1     fp32   4.88-4.90 s, 6.1-6.2x   3.89-4.31 s, 4.9-5.1x
-   4,096     2     fp32   4.15 s wall, 8.5x       3.87-4.02 s wall, 8.1-8.3x
+  tokens  threads  dtype  before                  after
+   2,048     1     fp32   2.54-2.65 s, 6.3-6.4x   1.63-1.65 s, 3.95-3.97x
+   2,048     1     bf16   2.67 s, 4.9x            1.77 s, 3.2x
+   4,096     1     fp32   4.97 s, 6.2x            3.21 s, 4.0x
+   4,096     2     fp32   4.37 s wall, 8.3x       2.41 s wall, 5.1x
 
-  Same extra memory (8.7-10.6% of the logits). With 2 threads the forward's sort, one thread
-  (NumPy), is 27% of the wall and the [rows, 24k] element-wise work hardly speeds up, so the
-  2-thread ratio barely moves; chunk top-k there is 0.89x CE, gold 9x it.
+  Same extra memory (8-11% of the logits). (A first step, the second sort gone but the
+  backward still by autograd through ``kl``: 4.8-5.2x at 2,048 tokens, 4.9-5.1x / 8.1-8.3x at
+  4,096.) What is left: the forward's sort (~25% of the time, one thread: NumPy), the softmax
+  twice (as CE), and each chunk row's passes over both halves of the vocabulary.
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least

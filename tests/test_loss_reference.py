@@ -264,9 +264,10 @@ def test_payload_rows_of_several_samples_are_gathered_not_copied_whole():
                                part.contiguous().reshape(-1, 7).index_select(0, keys))
 
 
-@pytest.mark.parametrize("form,mode,topk", [("chunk_topk", "pkl", 4), ("full", "pkl", None),
-                                            ("gold", "gold", None)])
-def test_sample_weights_scale_each_samples_chunks(form, mode, topk):
+@pytest.mark.parametrize("form,mode,topk,beta", [
+    ("chunk_topk", "pkl", 4, 0.4), ("full", "pkl", None, 0.4), ("gold", "gold", None, 0.4),
+    ("gold", "gold", None, None)])  # forward KL: gold's directly written gradient
+def test_sample_weights_scale_each_samples_chunks(form, mode, topk, beta):
     """Reward weighting: KD sum = sum_b w_b * sum_c KL_bc (the reference's per-chunk values),
     the chunk count unweighted, and the gradient is that sum's (float64 gradcheck)."""
     from megatron_xdistill.loss import parallel_kd_loss
@@ -284,7 +285,7 @@ def test_sample_weights_scale_each_samples_chunks(form, mode, topk):
 
     def terms(logits, w):
         return parallel_kd_loss(logits, payload, ids, case.chunk_valid, case.chunk_exact, rows,
-                                student_vocab_size=case.vs, mode=mode, jsd_beta=0.4,
+                                student_vocab_size=case.vs, mode=mode, jsd_beta=beta,
                                 common_student_ids=common[0], sample_weights=w,
                                 block_bytes=8 * 16 * 3)
 
@@ -293,14 +294,14 @@ def test_sample_weights_scale_each_samples_chunks(form, mode, topk):
     details = reference.kd_loss_details(
         case.real_student_logits.double(), case.real_teacher_logits.double(),
         case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
-        case.projection.double(), mode, jsd_beta=0.4,
+        case.projection.double(), mode, jsd_beta=beta,
         common=None if mode == "pkl" else common, **kw)
     expected = float((details.per_chunk.sum(1) * weights).sum())
     got = terms(x, weights)
     assert float(got.kd_sum) == pytest.approx(expected, rel=1e-6)  # fp32 payload rows
     assert float(got.kd_count) == float(terms(x, None).kd_count) == float(details.counted.sum())
-    if form != "chunk_topk":
-        return  # one gradcheck: the weights enter every form through the same kl wrapper
+    if form != "chunk_topk" and beta is not None:
+        return  # the weights enter every form through the same kl wrapper, or gold's gradient
     x = (0.5 * x).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda z: terms(z, weights).kd_sum, (x,), eps=1e-6,
                                     atol=1e-7, rtol=1e-5)

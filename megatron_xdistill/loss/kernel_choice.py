@@ -110,10 +110,20 @@ class SampleWeighted:
     def __setattr__(self, name: str, value) -> None:
         setattr(self.kernel, name, value)
 
+    def _of_rows(self, keys: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        sample = torch.div(keys, self.num_chunks, rounding_mode="floor")
+        return self.weights.to(like.device, like.dtype).index_select(0, sample)
+
     def kl(self, raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True):
         kl, t1 = self.kernel.kl(raw, keys, counts, top1)
-        sample = torch.div(keys, self.num_chunks, rounding_mode="floor")
-        return kl * self.weights.to(kl.device, kl.dtype).index_select(0, sample), t1
+        return kl * self._of_rows(keys, kl), t1
+
+    def raw_grad(self, raw, keys: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor):
+        """The kernel's direct gradient (if it has one) with each row's weight scaled."""
+        direct = getattr(self.kernel, "raw_grad", None)
+        if direct is None:
+            return None
+        return direct(raw, keys, counts, weight * self._of_rows(keys, weight))
 
 
 def teacher_vocab(payload: TeacherPayload, projection) -> int:

@@ -7,7 +7,10 @@ ranks change in few places (on a real SmolLM2 / Qwen2.5-Coder pair a median of 2
 row, at most 37 of 8,192 ranks), so the forward keeps, per row, the values where a run of
 equal signs starts and the n-th largest value; the backward finds each element's run by
 comparing it with those few values. That replaces the sort with columns (``argpartition`` +
-``argsort``: 2.2x the values-only sort) by a few passes over the row.
+``argsort``: 2.2x the values-only sort) by a few passes over the row, in NumPy (its masks and
+products are several times torch's on these [rows, ~24k] arrays). ``sorted_l1_slopes`` gives
+that gradient without autograd, for a loss that writes its backward itself
+(``GoldKernel.raw_grad``).
 
 Equal values whose ranks straddle a change of sign, or the n-th value when equal ones fall
 beyond the n largest, share their ranks' signs equally (each gets the mean sign of the ranks
@@ -60,54 +63,55 @@ def _padded(row: torch.Tensor, values: torch.Tensor, rows: int, fill: float
 
 class RunMemo:
     """The forward's sign runs of every row (by key, the caller's row ids in ``[0, num_keys)``),
-    for the recomputing backward: tables allocated once, up front (entries made between a
-    block's large transients would pin the heap; a few hundred bytes a row here). A call with a
-    row of more than ``capacity`` run starts or tied values is not kept: its backward sorts
-    again."""
+    for the recomputing backward: one fp64 table allocated once, up front (entries made between
+    a block's large transients would pin the heap; a few hundred bytes a row here), written and
+    read a call's rows at a time. A call with a row of more than ``capacity`` run starts or
+    tied values is not kept: its backward sorts again."""
 
+    # columns: checksum, value, threshold, run starts, tied values, then the blocks below
     def __init__(self, num_keys: int, capacity: int = _PASSES_UP_TO, ties: int = 8) -> None:
         self.capacity, self.ties = capacity, ties
-        f64 = {"dtype": torch.float64}
-        self.value = torch.zeros(num_keys, **f64)
-        self.threshold = torch.zeros(num_keys, **f64)
-        self.starts = torch.full((num_keys, capacity), float("-inf"), **f64)
-        self.signs = torch.zeros(num_keys, capacity + 1, **f64)
-        self.tie_values = torch.full((num_keys, ties), float("nan"), **f64)
-        self.tie_signs = torch.zeros(num_keys, ties, **f64)
-        self.checksum = torch.full((num_keys,), float("nan"), **f64)
-        self.count = torch.zeros(num_keys, 2, dtype=torch.int64)  # run starts, tied values
+        self.width = 5 + capacity + (capacity + 1) + 2 * ties
+        self.table = torch.zeros(num_keys, self.width, dtype=torch.float64)
+        self.table[:, 0] = float("nan")  # checksum: nothing kept
+
+    def _blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        c, t = self.capacity, self.ties
+        return torch.split(rows, [1, 1, 1, 1, 1, c, c + 1, t, t], dim=1)
 
     def put(self, keys: torch.Tensor, runs: SignRuns) -> None:
         k, s = runs.starts.shape[1], runs.tie_values.shape[1]
         if k > self.capacity or s > self.ties:
             return
-        self.value[keys] = runs.value.double()
-        self.threshold[keys] = runs.threshold.double()
-        self.starts[keys] = float("-inf")
-        self.starts[keys, :k] = runs.starts.double()
-        self.signs[keys] = 0.0
-        self.signs[keys, : k + 1] = runs.signs.double()
-        self.tie_values[keys] = float("nan")
-        self.tie_values[keys, :s] = runs.tie_values.double()
-        self.tie_signs[keys, :s] = runs.tie_signs.double()
-        self.checksum[keys] = runs.checksum
-        self.count[keys, 0] = (runs.starts > float("-inf")).sum(1)
-        self.count[keys, 1] = (~torch.isnan(runs.tie_values)).sum(1)
+        r = keys.numel()
+        f64 = {"dtype": torch.float64}
+        pad = torch.full((r, self.capacity - k), float("-inf"), **f64)
+        rows = torch.cat([
+            runs.checksum[:, None], runs.value.double()[:, None],
+            runs.threshold.double()[:, None],
+            (runs.starts > float("-inf")).sum(1, keepdim=True).double(),
+            (~torch.isnan(runs.tie_values)).sum(1, keepdim=True).double(),
+            runs.starts.double(), pad, runs.signs.double(),
+            torch.zeros(r, self.capacity - k, **f64),
+            runs.tie_values.double(), torch.full((r, self.ties - s), float("nan"), **f64),
+            runs.tie_signs.double(), torch.zeros(r, self.ties - s, **f64)], 1)
+        self.table.index_copy_(0, keys, rows)
 
     def take(self, keys: torch.Tensor, checksum: torch.Tensor, like: torch.Tensor
              ) -> SignRuns | None:
         """The runs of rows ``keys`` if every one was kept from the same values (``checksum``),
         in the dtype of ``like``; else None. Taken entries are cleared."""
-        if keys is None or not bool((self.checksum[keys] == checksum).all()):
+        if keys is None:
             return None
-        k, s = (self.count[keys].amax(0).tolist() if keys.numel() else (0, 0))
-        dt = like.dtype
-        runs = SignRuns(self.value[keys].to(dt), self.threshold[keys].to(dt),
-                        self.starts[keys, :k].to(dt), self.signs[keys, : k + 1].to(dt),
-                        self.tie_values[keys, :s].to(dt), self.tie_signs[keys, :s].to(dt),
-                        checksum)
-        self.checksum[keys] = float("nan")
-        return runs
+        rows = self.table.index_select(0, keys)
+        if not bool((rows[:, 0] == checksum).all()):
+            return None
+        self.table[keys, 0] = float("nan")
+        kept, value, threshold, k, s, starts, signs, tie_values, tie_signs = self._blocks(
+            rows.to(like.dtype))
+        k, s = (int(k.max()), int(s.max())) if keys.numel() else (0, 0)
+        return SignRuns(value[:, 0], threshold[:, 0], starts[:, :k], signs[:, : k + 1],
+                        tie_values[:, :s], tie_signs[:, :s], checksum)
 
 
 def _top_values(a: np.ndarray, n: int) -> np.ndarray:
@@ -170,37 +174,61 @@ def _sign_runs(top: torch.Tensor, t: torch.Tensor, a: torch.Tensor, checksum: to
 
 def _element_signs(a: torch.Tensor, threshold: torch.Tensor, starts: torch.Tensor,
                    signs: torch.Tensor, tie_values: torch.Tensor, tie_signs: torch.Tensor
-                   ) -> torch.Tensor:
+                   ) -> np.ndarray:
     """Each element's sign: that of the run its value falls in (0 outside the n largest), or
-    its tie group's shared sign. An element's run is the number of run starts at or above its
-    value; one below the n-th value is one past its row's last run, where the signs (zero
-    padded by one more) are 0."""
+    its tie group's shared sign. Run k + 1 holds the values at or below ``starts[:, k]``
+    (descending): the sign is run 0's plus the change at each start at or above the value.
+    NumPy's masks and products (several times torch's on these [rows, ~24k] arrays); every
+    step is exact (signs are -1, 0, 1 or a tie group's shared value, masks 0 / 1)."""
+    x = a.detach().numpy()
+    sg = signs.numpy()
     k = starts.shape[1]
     if k <= _PASSES_UP_TO:
-        seg = (a < threshold[:, None]).to(torch.int64)
-        for i in range(k):  # a run starts at starts[:, i]: values at or below it are past it
-            seg += a <= starts[:, i: i + 1]
+        out = np.broadcast_to(sg[:, :1], x.shape).copy()
+        st = starts.numpy()
+        for i in range(k):
+            out += (x <= st[:, i: i + 1]) * (sg[:, i + 1: i + 2] - sg[:, i: i + 1])
     else:
-        seg = k - torch.searchsorted(starts.flip(1).contiguous(), a.contiguous(), right=False)
-        seg += a < threshold[:, None]
-    out = torch.cat([signs, signs.new_zeros(signs.shape[0], 1)], 1).gather(1, seg)
-    for i in range(tie_values.shape[1]):
-        out = torch.where(a == tie_values[:, i: i + 1], tie_signs[:, i: i + 1], out)
+        seg = k - torch.searchsorted(starts.flip(1).contiguous(), a.detach().contiguous(),
+                                     right=False)
+        out = np.take_along_axis(sg, seg.numpy(), 1)
+    out *= x >= threshold.numpy()[:, None]
+    tv, ts = tie_values.numpy(), tie_signs.numpy()
+    for i in range(tv.shape[1]):  # out * (1 - eq) + shared * eq, exactly
+        eq = x == tv[:, i: i + 1]
+        out *= ~eq
+        out += eq * ts[:, i: i + 1]
     return out
+
+
+def _slopes(a: torch.Tensor, runs: SignRuns) -> torch.Tensor:
+    """d L1 / d a: each element's sign times exp(a) (0 outside the n largest)."""
+    out = _element_signs(a, runs.threshold, runs.starts, runs.signs, runs.tie_values,
+                         runs.tie_signs)
+    out *= np.exp(a.detach().numpy())
+    return torch.from_numpy(out)
+
+
+def _runs_of(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None,
+             keys: torch.Tensor | None, keep: bool) -> SignRuns:
+    """The runs of ``a``'s rows: the memo's if it holds them for these values, else found by
+    sorting (and kept in the memo when ``keep``)."""
+    checksum = a.sum(1, dtype=torch.float64)
+    runs = memo.take(keys, checksum, a) if memo is not None else None
+    if runs is None:
+        top = torch.from_numpy(_top_values(a.detach().numpy(), t.shape[1]))
+        runs = _sign_runs(top, t, a, checksum)
+        if memo is not None and keep:
+            memo.put(keys, runs)
+    return runs
 
 
 class _SortedL1(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a: torch.Tensor, t: torch.Tensor, n: int, memo: RunMemo | None,
+    def forward(ctx, a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None,
                 keys: torch.Tensor | None):
-        checksum = a.sum(1, dtype=torch.float64)
-        # the forward's runs if these are its values (a recompute that differs sorts again)
-        runs = memo.take(keys, checksum, a) if memo is not None else None
-        if runs is None:
-            top = torch.from_numpy(_top_values(a.detach().numpy(), n))
-            runs = _sign_runs(top, t, a, checksum)
-            if memo is not None and not ctx.needs_input_grad[0]:  # a forward: keep
-                memo.put(keys, runs)
+        # a forward keeps its runs; a recompute for the backward takes them (if the same)
+        runs = _runs_of(a, t, memo, keys, keep=not ctx.needs_input_grad[0])
         # (tensors on ctx go through save_for_backward: an attribute holding the output would
         # make a cycle through the autograd graph that the garbage collector cannot free)
         ctx.save_for_backward(a, runs.threshold, runs.starts, runs.signs, runs.tie_values,
@@ -210,8 +238,7 @@ class _SortedL1(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, *runs = ctx.saved_tensors
-        g = _element_signs(a, *runs).mul_(a.exp()).mul_(grad[:, None])
-        return g, None, None, None, None
+        return _slopes(a, SignRuns(None, *runs, None)).mul_(grad[:, None]), None, None, None
 
 
 def supported(a: torch.Tensor) -> bool:
@@ -225,10 +252,19 @@ def sorted_l1(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None = None,
     m; ``t`` [r, n] sorted descending), differentiable in ``a``. ``memo`` / ``keys`` (the rows'
     ids): keep the forward's runs for a recomputing backward of the same rows (see the module
     docstring)."""
-    n = t.shape[1]
-    if n == 0 or a.shape[0] == 0:
+    if t.shape[1] == 0 or a.shape[0] == 0:
         return a.new_zeros(a.shape[0])
-    return _SortedL1.apply(a, t.to(a.dtype), n, memo, keys)
+    return _SortedL1.apply(a, t.to(a.dtype), memo, keys)
 
 
-__all__ = ["RunMemo", "SignRuns", "sorted_l1", "supported"]
+def sorted_l1_slopes(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None = None,
+                     keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of :func:`sorted_l1`'s rows with respect to ``a`` [r, m], without
+    autograd (a backward that writes its gradient directly); the memo's runs when it holds
+    them for these values."""
+    if t.shape[1] == 0 or a.shape[0] == 0:
+        return torch.zeros_like(a)
+    return _slopes(a, _runs_of(a, t.to(a.dtype), memo, keys, keep=False))
+
+
+__all__ = ["RunMemo", "SignRuns", "sorted_l1", "sorted_l1_slopes", "supported"]

@@ -268,7 +268,13 @@ class StudentLossPlan:
 
     # ----------------------------------------------------------------- backward
     def _grad_of(self, raw: Raw, keys, counts, weight) -> Raw:
-        """d(sum_r weight_r * T^2 * KL_r) / d raw (weight: scalar or per row)."""
+        """d(sum_r weight_r * T^2 * KL_r) / d raw (weight: scalar or per row): the kernel's
+        own where it writes it directly, else by autograd through its ``kl``."""
+        direct = getattr(self.kernel, "raw_grad", None)
+        if direct is not None:
+            grads = direct(raw, keys, counts, weight * (self.temp * self.temp))
+            if grads is not None:
+                return grads
         leaves = {k: v.detach().requires_grad_(True) for k, v in raw.items()}
         with torch.enable_grad():
             kl, _ = self.kernel.kl(leaves, keys, counts, top1=False)
