@@ -8,9 +8,10 @@ import torch
 from .common import EPS, TINY
 
 
-def divergence(log_p: torch.Tensor, q: torch.Tensor, log_q: torch.Tensor, beta: float
+def divergence(log_p: torch.Tensor, q: torch.Tensor | None, log_q: torch.Tensor, beta: float
                ) -> torch.Tensor:
-    """Per-row divergence of the student Q (``q`` and its log) from the teacher P (``log_p``).
+    """Per-row divergence of the student Q (``q`` and its log; ``q`` None: exp(log_q), computed
+    only where needed) from the teacher P (``log_p``).
 
     ``beta`` (GKD's): 0 forward KL(P || Q), 1 reverse KL(Q || P), between them the generalized
     Jensen-Shannon divergence beta KL(P || M) + (1 - beta) KL(Q || M), M = beta P + (1 - beta) Q
@@ -19,6 +20,8 @@ def divergence(log_p: torch.Tensor, q: torch.Tensor, log_q: torch.Tensor, beta: 
     """
     if beta == 0.0:
         return (log_p.exp() * (log_p - log_q)).sum(-1)
+    if q is None:
+        q = log_q.exp()
     if beta == 1.0:
         return (q * (log_q - log_p)).sum(-1)
     p = log_p.exp()

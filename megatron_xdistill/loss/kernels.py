@@ -405,7 +405,7 @@ class GoldKernel:
         if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
             a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        kl = divergence(b_common, a_common.exp(), a_common, self.beta)
+        kl = divergence(b_common, None, a_common, self.beta)
         if group_size(self.tp_group) == 1 and sorted_l1.supported(a_unc):
             if self.runs is None:
                 self.runs = sorted_l1.RunMemo(self.payload.uncommon_probs.shape[0]

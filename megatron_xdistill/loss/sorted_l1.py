@@ -18,9 +18,9 @@ the group holds among the n largest). That is a subgradient like any assignment 
 to the tied elements (``torch.topk`` picks one), with the same sum over the group, and it does
 not depend on an order among equal values (low-precision logits have many).
 
-The loss recomputes each block under autograd for its backward, so the forward's runs are kept in
-a :class:`RunMemo` and reused when the recomputed row values are the same (checked by each
-row's sum); otherwise the values are sorted again.
+The loss recomputes each block's row values for its backward, so the forward's runs are kept in
+a :class:`RunMemo` and reused when the recomputed values are the same (checked by each row's
+sum); otherwise the values are sorted again.
 """
 
 from __future__ import annotations
