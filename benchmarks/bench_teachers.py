@@ -236,5 +236,6 @@ def table(rows: list, args, cores: int | None = None) -> str:
                      f"{m['wall'] / best:.2f} |")
     return "\n".join(lines)
 
+
 if __name__ == "__main__":
     raise SystemExit(main())

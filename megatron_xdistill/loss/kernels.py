@@ -385,32 +385,41 @@ class GoldKernel:
         lz = blk.x.new_zeros(blk.num_rows + 1).index_add_(0, seg, blk.logz)
         return {"x": xsum[:-1], "lz": lz[:-1]}
 
+    @staticmethod
+    def _means(raw: Raw, counts: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Chunk means of this shard's log-probs, (x - lz) / count, on columns ``cols``."""
+        x = raw["x"]
+        return (x.index_select(1, cols) - raw["lz"][:, None]) / counts.to(x.dtype)[:, None]
+
+    def _by_runs(self, like: torch.Tensor) -> bool:
+        """Whether the uncommon L1 takes :mod:`.sorted_l1`'s sign runs (one TP rank, CPU)."""
+        return group_size(self.tp_group) == 1 and sorted_l1.supported(like)
+
+    def _memo(self) -> sorted_l1.RunMemo:
+        """The forward's sign runs, kept for the backward (one table per call, made once)."""
+        if self.runs is None:
+            part = self.payload.uncommon_probs
+            self.runs = sorted_l1.RunMemo(part.shape[0] * part.shape[1])
+        return self.runs
+
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x, lz = raw["x"], raw["lz"]
-        cnt = counts.to(x.dtype)[:, None]
+        x = raw["x"]
         rows = x.shape[0]
-
-        def mean_logprobs(cols: torch.Tensor) -> torch.Tensor:  # chunk means, this shard
-            return (x.index_select(1, cols) - lz[:, None]) / cnt
-
-        a_common = mean_logprobs(self.col_common)
+        a_common = self._means(raw, counts, self.col_common)
         if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
             a_common = a_common.new_zeros(rows, self.num_common).index_copy(
                 1, self.pair_local, a_common)
         a_common = replicated_sum(a_common, self.tp_group)
         b_common = _rows_of(self.payload.logprobs, keys)
         n = self.num_uncommon
-        a_unc = mean_logprobs(self.col_uncommon)
+        a_unc = self._means(raw, counts, self.col_uncommon)
         if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
             a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
         kl = divergence(b_common, None, a_common, self.beta)
-        if group_size(self.tp_group) == 1 and sorted_l1.supported(a_unc):
-            if self.runs is None:
-                self.runs = sorted_l1.RunMemo(self.payload.uncommon_probs.shape[0]
-                                              * self.payload.uncommon_probs.shape[1])
-            kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self.runs, keys)
+        if self._by_runs(a_unc):
+            kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self._memo(), keys)
         else:
             merged = sorted_top(a_unc, n)  # descending
             if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
@@ -429,16 +438,15 @@ class GoldKernel:
         no recompute of the student's means, the uncommon part's the L1's sign times exp(a).
         None elsewhere (the caller differentiates :meth:`kl`). Same quantities as autograd's
         through ``kl``; a third of the time of the recompute plus its backward."""
-        x, lz = raw["x"], raw["lz"]
+        x = raw["x"]
         n = self.num_uncommon
-        if (self.beta != 0.0 or group_size(self.tp_group) != 1 or not sorted_l1.supported(x)
-                or self.col_uncommon.numel() < n):
+        if self.beta != 0.0 or not self._by_runs(x) or self.col_uncommon.numel() < n:
             return None
         scale = (weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype))[:, None]
         p_common = _rows_of(self.payload.logprobs, keys).to(x.dtype).exp_()
-        a_unc = (x.index_select(1, self.col_uncommon) - lz[:, None]) / counts.to(x.dtype)[:, None]
+        a_unc = self._means(raw, counts, self.col_uncommon)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        slopes = sorted_l1.sorted_l1_slopes(a_unc, t_sorted, self.runs, keys)
+        slopes = sorted_l1.sorted_l1_slopes(a_unc, t_sorted, self._memo(), keys)
         # a = (x - lz) / count: lz's gradient is minus the sum of the columns'
         g_lz = scale[:, 0] * (p_common.sum(1) - slopes.sum(1))
         g = torch.cat([p_common.neg_(), slopes], 1).mul_(scale)  # the common, uncommon columns

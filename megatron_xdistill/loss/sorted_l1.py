@@ -68,11 +68,12 @@ class RunMemo:
     read a call's rows at a time. A call with a row of more than ``capacity`` run starts or
     tied values is not kept: its backward sorts again."""
 
-    # columns: checksum, value, threshold, run starts, tied values, then the blocks below
+    # columns: checksum (NaN: nothing kept), value, threshold, the number of run starts and
+    # of tied values, then the run starts, run signs, tied values and their signs (_blocks)
     def __init__(self, num_keys: int, capacity: int = _PASSES_UP_TO, ties: int = 8) -> None:
         self.capacity, self.ties = capacity, ties
-        self.width = 5 + capacity + (capacity + 1) + 2 * ties
-        self.table = torch.zeros(num_keys, self.width, dtype=torch.float64)
+        width = 5 + capacity + (capacity + 1) + 2 * ties
+        self.table = torch.zeros(num_keys, width, dtype=torch.float64)
         self.table[:, 0] = float("nan")  # checksum: nothing kept
 
     def _blocks(self, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -107,7 +108,7 @@ class RunMemo:
         if not bool((rows[:, 0] == checksum).all()):
             return None
         self.table[keys, 0] = float("nan")
-        kept, value, threshold, k, s, starts, signs, tie_values, tie_signs = self._blocks(
+        _, value, threshold, k, s, starts, signs, tie_values, tie_signs = self._blocks(
             rows.to(like.dtype))
         k, s = (int(k.max()), int(s.max())) if keys.numel() else (0, 0)
         return SignRuns(value[:, 0], threshold[:, 0], starts[:, :k], signs[:, : k + 1],
