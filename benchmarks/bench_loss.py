@@ -44,8 +44,9 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   forward sorts the values and keeps where the signs of sorted student - teacher change; the
   backward finds each value's sign by comparing it with those few values, in NumPy, and
   ``GoldKernel.raw_grad`` writes the forward KL's gradient directly: the common part's is
-  -p_teacher, no recompute of the student's means; 2026-11-28, A/B against f753cbe on one
-  machine state, runs alternated; s per forward + backward, CPU-time ratio to CE):
+  -p_teacher, no recompute of the student's means; 2026-11-28, A/B of f753cbe (before) and
+  c1173b8 (after) on one machine state, runs alternated; s per forward + backward, CPU-time
+  ratio to CE):
 
   tokens  threads  dtype  before                  after
    2,048     1     fp32   2.54-2.65 s, 6.3-6.4x   1.63-1.65 s, 3.95-3.97x
@@ -54,7 +55,7 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
    4,096     2     fp32   4.37 s wall, 8.3x       2.41 s wall, 5.1x
 
   Then the forward KL stopped computing exp of the student's common means (it needs only the
-  teacher's): 4,096 tokens, 1 thread, 3.06 s, 3.7x CE.
+  teacher's): 4,096 tokens, 1 thread, 3.06 s, 3.7x CE (91865cb and 785c61b alike).
   Same extra memory (8-11% of the logits). (A first step, the second sort gone but the
   backward still by autograd through ``kl``: 4.8-5.2x at 2,048 tokens, 4.9-5.1x / 8.1-8.3x at
   4,096.) What is left: the forward's sort (~25% of the time, one thread: NumPy), the softmax

@@ -36,7 +36,7 @@ alone); the student's loss grows by the second teacher's KD term (0.13 -> 0.32 s
 Both placements on the same 2 cores, one rank a side (``--random-weights --placement both
 --nproc 1 --teacher-ranks 1 --threads-per-rank 1 --train-iters 6``: the student on one rank,
 colocated teachers on it, disaggregated each teacher on a rank of its own; 1 thread a rank;
-global batch 2 x 128; steps 2..6; 2026-11-28, commit after f0be70b):
+global batch 2 x 128; steps 2..6; 2026-11-28, the code of f0be70b):
 
   | teachers     | placement     | teacher (each)           | student (loss) | opt  | wall  | / serial | ideal | wall / ideal |
   | qwen         | colocated     | 3.60                     | 3.15 (0.06)    | 0.47 |  7.22 |   1.00   |  7.22 |     1.00     |

@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="projected KL (pkl), gold/ULD hybrid (gold) or H-KL (hkl). pkl is the "
                    "default for its cost: a payload of --kd-topk columns per chunk (522 B per "
                    "student token at top-64). gold ships every common-vocabulary probability "
-                   "(120-190 KB per token, 230-365x) and its loss is 5-6x pkl's on CPU "
+                   "(120-190 KB per token, 230-365x) and its loss is 4-6x pkl's on CPU "
                    "(benchmarks/bench_loss.py); hkl costs the same. In the quality study (3 seeds "
                    "each) gold and hkl taught a random-init student best (0.06 / 0.09-0.12 "
                    "bits/byte ahead of pkl top-64; hkl, whose common vocabulary adds rows of "
