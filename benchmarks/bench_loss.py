@@ -61,11 +61,30 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   4,096.) What is left: the forward's sort (~25% of the time, one thread: NumPy), the softmax
   twice (as CE), and each chunk row's passes over both halves of the vocabulary.
 
+The exact form with its per-row teacher work in few vectorised passes (``loss/exact_rows.py``:
+the teacher-only terms by one torch exp and one Numba pass per few rows, was seven torch passes;
+the forward KL on W's image from a direct gather of the payload's columns, no [rows, V_t] copy;
+its gradient on the projected mass written directly, no autograd through a recompute) and the
+projection eight rows at a time (``loss/image_projection.py``: each of W's nonzeros read once per
+eight rows, no per-column inner loop). 2026-11-28, A/B of 7e44447 (before) and the commit that
+made them (after) on one machine state, runs alternated twice; 4,096 tokens, s per forward +
+backward, CPU-time ratio to CE (wall at 2 threads):
+
+  V_s      threads  before                       after
+  49,152      1     10.87-11.21 s, 13.5-13.6x    5.97-6.45 s, 7.7-8.0x
+  49,152      2     9.54-9.88 s, 17.9-19.9x      5.13-5.34 s, 10.1-10.3x
+  128,256     2     15.72 s, 12.7x               10.39 s, 6.7x
+
+  Extra memory 22-26% of the logits at V_s 49,152 (was 24-35%; Numba's runtime ~0.1 GiB counts
+  here). At 2 threads a quarter of the CPU time is torch's OpenMP threads spinning after each
+  torch op while Numba's threads run: with OMP_WAIT_POLICY=PASSIVE the same run takes 4.16 s
+  wall, 7.1x (not set by the library: it is the process's choice).
+
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least
 three times per chunk (teacher-only terms, and P on W's image in forward and in the recomputing
-backward), and its projection is a sparse gather of ~2.7 entries per student column with no
-locality (about 5 ns per entry here, 7x a softmax pass over the same rows), done twice.
+backward), with an exp each time, and its projection is a sparse gather of ~2.7 entries per
+student column with no locality, done three times (forward, recompute, transpose).
 Gold's L1 needs each chunk's 8,192 largest uncommon values sorted (0.1-0.3 ms per row,
 values only; before ``sorted_l1`` the backward sorted again with their columns, 2.2x that), and
 every chunk row costs several passes over both halves of the vocabulary (means, exps, the

@@ -8,6 +8,8 @@ finds each element's sign run instead of sorting) against ``torch.topk``, values
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -34,44 +36,63 @@ def _shard(seed: int = 0) -> tuple[ProjectionShard, torch.Tensor]:
     return ProjectionShard(idx, w.float(), 0, VT), dense
 
 
-def _block(seed: int, dtype: torch.dtype):
-    """Positions of 5 rows (runs of 1-3 positions, some positions in no row)."""
+#: rows of a block: fewer than one group of the Numba projection (8 rows), and three groups,
+#: the last one partial
+ROWS = [5, 19]
+
+
+def _segments(rows: int, seed: int) -> torch.Tensor:
+    """The row of each position of a block of ``rows`` rows: runs of 1-3 positions, some
+    positions in no row (-1)."""
+    if rows == 5:
+        return torch.tensor([-1, 0, 0, 1, -1, 2, 2, 2, 3, 4, -1, 4])
     gen = torch.Generator().manual_seed(seed)
-    seg = torch.tensor([-1, 0, 0, 1, -1, 2, 2, 2, 3, 4, -1, 4])
+    runs = torch.randint(1, 4, (rows,), generator=gen)
+    seg = torch.repeat_interleave(torch.arange(rows), runs)
+    gaps = torch.rand(seg.numel(), generator=gen) < 0.2
+    return torch.where(gaps, -1, seg)
+
+
+def _block(seed: int, dtype: torch.dtype, rows: int = 5):
+    """Positions of ``rows`` rows (:func:`_segments`), their probabilities and factors."""
+    gen = torch.Generator().manual_seed(seed)
+    seg = _segments(rows, seed)
     probs = torch.softmax(torch.randn(seg.numel(), VS, generator=gen, dtype=torch.float64), 1)
     factor = torch.rand(seg.numel(), generator=gen, dtype=torch.float64) + 0.5
     return probs.to(dtype), factor.to(dtype), seg
 
 
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("use_numba", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_image_projection_equals_the_dense_product(use_numba, dtype):
+def test_image_projection_equals_the_dense_product(use_numba, dtype, rows):
     shard, dense = _shard()
     proj = ImageProjection.build(shard, VS, None)
     assert torch.equal(proj.image, torch.nonzero(dense.sum(0) > 0, as_tuple=True)[0])
-    probs, factor, seg = _block(1, dtype)
-    got = proj.project(probs, factor, seg, 5, use_numba=use_numba)
+    probs, factor, seg = _block(1, dtype, rows)
+    got = proj.project(probs, factor, seg, rows, use_numba=use_numba)
     p = probs.double() * factor.double()[:, None]
-    rows = torch.stack([p[seg == r].sum(0) for r in range(5)])
+    rows = torch.stack([p[seg == r].sum(0) for r in range(rows)])
     want = (rows @ dense)[:, proj.image]
     tol = 1e-6 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("num_rows", ROWS)
 @pytest.mark.parametrize("use_numba", [True, False])
-def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numba):
+def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numba, num_rows):
     """backward_into leaves the gradient on logits / T of sum <g, q_I> (x inv_t) plus coef * p,
     where p = softmax over the whole vocabulary = probs_local * factor (one TP rank here)."""
     shard, dense = _shard(2)
     proj = ImageProjection.build(shard, VS, None)
     gen = torch.Generator().manual_seed(3)
-    seg = torch.tensor([-1, 0, 0, 1, -1, 2, 2, 2, 3, 4, -1, 4])
+    seg = _segments(num_rows, 3)
     x = torch.randn(seg.numel(), VS, generator=gen, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(5, proj.size, generator=gen, dtype=torch.float64)
+    g = torch.randn(num_rows, proj.size, generator=gen, dtype=torch.float64)
     coef = torch.randn(seg.numel(), generator=gen, dtype=torch.float64)
     inv_t = 0.5
     p = torch.softmax(x, 1)
-    rows = torch.stack([p[seg == r].sum(0) for r in range(5)])
+    rows = torch.stack([p[seg == r].sum(0) for r in range(num_rows)])
     (inv_t * ((rows @ dense)[:, proj.image] * g).sum()).backward()
     want = x.grad + coef[:, None] * p.detach()
     out = p.detach().clone()
@@ -306,3 +327,80 @@ def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_it
     for kernel in (ColumnsKernel, NoKernel):
         assert block_positions(kernel, n, v, 4, cuda) == block_positions(kernel, n, v, 4, cpu) \
             == (64 << 20) // (4 * v)
+
+
+def _exact_case(dtype: torch.dtype, seed: int = 0):
+    """Payload log-probs [9, 60] (row 2 with -inf columns, row 4 with a tied maximum), the
+    image I of W (40 columns), rows' keys and projected masses u [5, |I|]."""
+    gen = torch.Generator().manual_seed(seed)
+    lp = torch.log_softmax(torch.randn(9, 60, generator=gen, dtype=torch.float64), -1)
+    lp[2, ::3] = float("-inf")
+    lp[2] = torch.log_softmax(lp[2], -1)
+    lp[4, 7] = lp[4, 31] = lp[4].max() + 0.5
+    lp[4] = torch.log_softmax(lp[4], -1)
+    image = torch.randperm(60, generator=gen)[:40].sort().values
+    keys = torch.tensor([4, 0, 2, 8, 2])
+    u = torch.rand(5, image.numel(), generator=gen, dtype=torch.float64) * 1e-3
+    return lp.to(dtype), image, keys, u.to(dtype)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("step", [1, 2, 32])
+def test_exact_rows_teacher_terms_equal_torchs(beta, dtype, step):
+    """Per payload row: the divergence's terms outside I (forward KL: sum p log p with
+    0 log 0 = 0, minus log(EPS) times the mass outside I; JSD: -beta log(beta) times that
+    mass; reverse: none) and the first argmax over V_t; rows not asked for stay 0."""
+    from megatron_xdistill.loss import exact_rows
+    from megatron_xdistill.loss.common import EPS
+
+    lp, image, keys, _ = _exact_case(dtype)
+    in_image = torch.zeros(60, dtype=torch.bool)
+    in_image[image] = True
+    const, argmax = exact_rows.teacher_terms(lp, keys, in_image, beta, step)
+    p = lp.double().exp()
+    plogp = torch.where(p > 0, p * lp.double(), 0.0).sum(-1)
+    outside = (p * (~in_image)).sum(-1)
+    want = {0.0: plogp - math.log(EPS) * outside, 1.0: torch.zeros(9, dtype=torch.float64),
+            0.5: -0.5 * math.log(0.5) * outside}[beta]
+    asked = torch.zeros(9, dtype=torch.bool)
+    asked[keys] = True
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(const, torch.where(asked, want, 0.0), rtol=tol, atol=tol)
+    assert torch.isfinite(const).all()
+    assert argmax.tolist() == torch.where(asked, lp.argmax(-1), 0).tolist()
+    assert int(argmax[4]) == 7  # the first of two equal maxima, as torch.argmax
+
+
+def _image_kl_reference(u, lp, keys, image, const):
+    from megatron_xdistill.loss.common import EPS, TINY
+
+    q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
+    p = lp.index_select(0, keys)[:, image].exp()
+    return const.index_select(0, keys).to(u.dtype) - (p * torch.log(q + EPS)).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exact_rows_image_kl_and_its_gradient_equal_autograds(dtype):
+    """The forward KL on I per row, the argmax of u, and the direct gradient on u (per-row
+    and scalar weights) against the plain torch formula and its autograd; in float64 also a
+    row with no projected mass, where the floor TINY holds the sum (no normalisation term)."""
+    from megatron_xdistill.loss import exact_rows
+
+    lp, image, keys, u = _exact_case(dtype)
+    if dtype == torch.float64:
+        u[3] = 0.0
+    const = torch.randn(9, dtype=torch.float64)
+    kl, at = exact_rows.image_kl(u, lp, keys, image, const)
+    leaf = u.clone().requires_grad_(True)
+    want = _image_kl_reference(leaf, lp, keys, image, const)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(kl, want.detach(), rtol=tol, atol=tol)
+    assert at.tolist() == u.argmax(-1).tolist()
+    for weight in (torch.tensor([0.5, 2.0, 0.0, 1.0, 3.0], dtype=dtype),
+                   torch.tensor(1.5, dtype=dtype)):
+        (grad_want,) = torch.autograd.grad((want * weight).sum(), leaf, retain_graph=True)
+        got = exact_rows.image_kl_grad(u, lp, keys, image, weight)
+        for r in range(u.shape[0]):  # each row to its own scale (the empty row's is ~1e40)
+            scale = float(grad_want[r].abs().max())
+            torch.testing.assert_close(got[r], grad_want[r], rtol=tol, atol=tol * scale)

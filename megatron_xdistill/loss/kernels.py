@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import row_softmax, sorted_l1
+from . import exact_rows, row_softmax, sorted_l1
 from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
@@ -291,13 +291,16 @@ class DenseKernel:
         reused buffers."""
         n, width = self.logprobs.shape
         dev = self.logprobs.device
+        in_image = torch.zeros(width, dtype=torch.bool, device=dev)
+        in_image[self.proj.image] = True
+        step = self.teacher_rows_per_step(keys.numel(), dev)
+        if exact_rows.supported(self.logprobs):
+            return exact_rows.teacher_terms(self.logprobs, keys.to(dev), in_image, self.beta,
+                                            step)
         const = torch.zeros(n, dtype=torch.float64, device=dev)
         argmax = torch.zeros(n, dtype=torch.int64, device=dev)
         keys = torch.unique(keys.to(dev))
-        in_image = torch.zeros(width, dtype=torch.bool, device=dev)
-        in_image[self.proj.image] = True
         outside_cols = torch.nonzero(~in_image, as_tuple=True)[0]
-        step = self.teacher_rows_per_step(keys.numel(), dev)
         reuse = dev.type == "cpu"  # a GPU's caching allocator reuses freed blocks already
 
         def buffer(name: str, m: int) -> torch.Tensor:
@@ -335,6 +338,13 @@ class DenseKernel:
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         u = replicated_sum(raw["q"], self.tp_group)
+        if self._direct(u) and not u.requires_grad:
+            kl, at = exact_rows.image_kl(u, self.logprobs, keys, self.proj.image, self.const)
+            if not top1:
+                return kl, None
+            if self.proj.size == 0:
+                return kl, torch.zeros_like(at, dtype=torch.bool)
+            return kl, self.proj.image[at] == self.argmax.index_select(0, keys)
         q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
         log_q = torch.log(q + EPS)
         log_p = self.logprobs.index_select(0, keys).index_select(1, self.proj.image).to(q.dtype)
@@ -347,6 +357,24 @@ class DenseKernel:
         if not top1:
             return kl, None
         return kl, self.proj.image[u.argmax(-1)] == self.argmax.index_select(0, keys)
+
+    def _direct(self, u: torch.Tensor) -> bool:
+        """Whether the forward KL on I takes :mod:`.exact_rows` (CPU): its value without
+        autograd, its gradient written directly."""
+        return self.beta == 0.0 and exact_rows.supported(u) and exact_rows.supported(
+            self.logprobs)
+
+    def raw_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
+                 weight: torch.Tensor) -> Raw | None:
+        """d(sum_r weight_r KL_r) / d raw for the forward KL on CPU (:mod:`.exact_rows`), else
+        None (the caller differentiates :meth:`kl`). Every TP rank's share of u gets the
+        gradient of the sum (the replicated sum's backward is the identity)."""
+        u = raw["q"]
+        if not self._direct(u):
+            return None
+        u = replicated_sum(u.detach(), self.tp_group)
+        g = exact_rows.image_kl_grad(u, self.logprobs, keys, self.proj.image, weight)
+        return {"q": g}
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
