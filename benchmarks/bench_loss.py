@@ -271,14 +271,20 @@ else:
                                         parallel_kd_loss)
     c = int(n * 0.7)
     ids = (torch.arange(n) * c // n).view(1, n)
-    idx = torch.randint(0, vt, (vs, 4), generator=gen)
-    w = torch.rand(vs, 4, generator=gen)
-    kind = torch.rand(vs, 1, generator=gen)
-    w[:, 1:] *= (kind > 0.45).float()        # ~45% one-to-one rows
-    idx[:, 1:][(kind <= 0.45).expand(-1, 3)] = -1
-    w /= w.sum(1, keepdim=True)              # rows sum to 1, as the projection builders write
-    empty = torch.rand(vs, generator=gen) < 0.001  # a few empty rows (tokens W cannot map)
-    idx[empty], w[empty] = -1, 0.0
+    real_w = None
+    if cfg["projection"]:  # a real W (its vocabularies set vs and vt)
+        from megatron_xdistill.projection.runtime import load_projection
+        real_w = load_projection(cfg["projection"])
+        idx, w = real_w.local_shard(0, vs)
+    else:
+        idx = torch.randint(0, vt, (vs, 4), generator=gen)
+        w = torch.rand(vs, 4, generator=gen)
+        kind = torch.rand(vs, 1, generator=gen)
+        w[:, 1:] *= (kind > 0.45).float()        # ~45% one-to-one rows
+        idx[:, 1:][(kind <= 0.45).expand(-1, 3)] = -1
+        w /= w.sum(1, keepdim=True)              # rows sum to 1, as the projection builders write
+        empty = torch.rand(vs, generator=gen) < 0.001  # a few empty rows (tokens W cannot map)
+        idx[empty], w[empty] = -1, 0.0
     shard = ProjectionShard(idx, w, 0, vt)
     has = torch.ones(1, c, dtype=torch.bool)
     logp = torch.log_softmax(torch.randn(1, c, k, generator=gen), -1)
@@ -299,9 +305,10 @@ else:
                 torch.randn(min(256, c - lo), vt, generator=gen), -1)
         flat[0, c * vt:] = 1.0  # has_teacher
         payload = TeacherPayload.from_flat(flat, spec)
-    else:  # gold: half of the student vocabulary is common
-        m = vs // 2
-        common = torch.randperm(vs, generator=gen)[:m].sort().values
+    else:  # gold: half of the student vocabulary is common (a real W: its strict pairs)
+        common = (torch.randperm(vs, generator=gen)[: vs // 2].sort().values if real_w is None
+                  else real_w.common_vocab("strict")[0])
+        m = common.numel()
         unc = min(8192, vt - m)
         payload = TeacherPayload(
             PayloadSpec("gold", c, m, unc), torch.log_softmax(torch.randn(1, c, m), -1), has,
@@ -400,15 +407,24 @@ def main(argv: list[str] | None = None) -> None:
                         help="one block's fp32 [block, V] buffer (default: the loss's own choice, "
                              "64 MiB and a share of the positions)")
     parser.add_argument("--with-ce", action="store_true", help="KD rows also fuse the CE")
+    parser.add_argument("--projection", default=None, metavar="PATH",
+                        help="a real W (.safetensors from the projection CLI) instead of the "
+                             "synthetic one; its vocabularies set V_s and V_t (gold: its strict "
+                             "common pairs)")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after each KD row, the ROWS operations (GPU: kernels) that took "
                              "the most time in one more forward + backward (torch.profiler)")
     args = parser.parse_args(argv)
+    if args.projection:
+        from megatron_xdistill.projection.runtime import load_projection
+        real_w = load_projection(args.projection)
+        args.vs, args.vt = [real_w.student_vocab_size], real_w.teacher_vocab_size
     port = 29000 + os.getpid() % 1000
     clock = "wall_s" if args.device.startswith("cuda") else "cpu_s"
     head = (f"{'tokens':>6} {'V_s':>7} {'method':<16} {'wall s':>7} {'cpu s':>7} {'x CE':>5} "
             f"{'extra GiB':>9} {'net of grad':>11} {'% logits':>8} {'pos/block':>9}")
-    print(f"V_t={args.vt} topk={args.topk} dtype={args.dtype} threads={args.threads} "
+    print(f"V_t={args.vt} W={args.projection or 'synthetic'} topk={args.topk} "
+          f"dtype={args.dtype} threads={args.threads} "
           f"block={'default' if args.block_mib is None else f'{args.block_mib} MiB'}{' +CE' if args.with_ce else ''}")
     print(head)
     for tokens in args.tokens:
@@ -417,7 +433,7 @@ def main(argv: list[str] | None = None) -> None:
                         device=args.device,
                         threads=args.threads, repeat=args.repeat, port=port,
                         block_mib=args.block_mib, with_ce=args.with_ce,
-                        profile=args.profile)
+                        profile=args.profile, projection=args.projection)
             ce = run({**base, "form": "ce"})
             rows = [("megatron CE", ce)]
             for form in args.forms:

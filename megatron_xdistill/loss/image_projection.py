@@ -47,8 +47,8 @@ _GROUP = 8
 def _project_rows(p, factor, order, row_off, split, ccol_e, cstudent, cval, mass, mass_t, out
                   ):  # pragma: no cover - numba
     """out[r] += (sum over row r's positions i of p[i] * factor[i]) W_I. The rows' sums go to
-    ``mass`` [rows, n] (parallel over rows), then _GROUP rows at a time to ``mass_t``
-    [n, _GROUP] transposed, so each W entry (CSC order: ``ccol_e`` its column of I,
+    ``mass`` [rows, n] (parallel over rows), then a group of rows at a time to ``mass_t``
+    [n, group] transposed, so each W entry (CSC order: ``ccol_e`` its column of I,
     ``cstudent`` its student row) adds one short vector. The entries are split at column
     boundaries (``split``) so parallel parts write apart."""
     rows, n = row_off.shape[0] - 1, p.shape[1]
@@ -60,12 +60,13 @@ def _project_rows(p, factor, order, row_off, split, ccol_e, cstudent, cval, mass
             f, pi = factor[i], p[i]
             for s in range(n):
                 m[s] += pi[s] * f
-    for g0 in range(0, rows, _GROUP):
-        width = min(_GROUP, rows - g0)
+    group = mass_t.shape[1]
+    for g0 in range(0, rows, group):
+        width = min(group, rows - g0)
         for s in prange(n):
             mt = mass_t[s]
-            for k in range(_GROUP):
-                mt[k] = mass[g0 + k, s] if k < width else 0.0
+            for k in range(width):
+                mt[k] = mass[g0 + k, s]
         for part in prange(split.shape[0] - 1):
             for e in range(split[part], split[part + 1]):
                 c, v, mt = ccol_e[e], cval[e], mass_t[cstudent[e]]
@@ -73,18 +74,42 @@ def _project_rows(p, factor, order, row_off, split, ccol_e, cstudent, cval, mass
                     out[g0 + k, c] += v * mt[k]
 
 
+@njit(parallel=True, cache=True, nogil=True)
+def _project_row_by_row(p, factor, order, row_off, ccol, cstudent, cval, mass, out
+                        ):  # pragma: no cover - numba
+    """:func:`_project_rows` one row at a time: a row's sum in ``mass[r]``, then per column of
+    I its entries' products summed in a register (fewer than a group of rows: the transposed
+    table would only spread the row over more cache lines)."""
+    n = p.shape[1]
+    for r in prange(out.shape[0]):
+        m = mass[r]
+        m[:] = 0.0
+        for j in range(row_off[r], row_off[r + 1]):
+            i = order[j]
+            f, pi = factor[i], p[i]
+            for s in range(n):
+                m[s] += pi[s] * f
+        o = out[r]
+        for t in range(o.shape[0]):
+            acc = 0.0
+            for e in range(ccol[t], ccol[t + 1]):
+                acc += m[cstudent[e]] * cval[e]
+            o[t] = acc
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _unproject_rows(split, rstudent, rcol, rval, g, g_t, h):  # pragma: no cover - numba
-    """h[r] = W_I g[r] (the gradient on a row's student probabilities), _GROUP rows at a time:
-    ``g_t`` [|I|, _GROUP] scratch holds a group's rows of g transposed; entries in CSR order
+    """h[r] = W_I g[r] (the gradient on a row's student probabilities), a group of rows at a
+    time: ``g_t`` [|I|, group] scratch holds a group's rows of g transposed; entries in CSR order
     (``rstudent`` their student row, ``rcol`` their column of I), split at row boundaries."""
     rows, size = g.shape
     h[:] = 0.0
-    for g0 in range(0, rows, _GROUP):
-        width = min(_GROUP, rows - g0)
+    group = g_t.shape[1]
+    for g0 in range(0, rows, group):
+        width = min(group, rows - g0)
         for t in prange(size):
-            for k in range(_GROUP):
-                g_t[t, k] = g[g0 + k, t] if k < width else 0.0
+            for k in range(width):
+                g_t[t, k] = g[g0 + k, t]
         for part in prange(split.shape[0] - 1):
             for e in range(split[part], split[part + 1]):
                 s, v, x = rstudent[e], rval[e], g_t[rcol[e]]
@@ -246,14 +271,17 @@ class ImageProjection:
             order, off = _row_runs(seg, num_rows)
             _use_torch_threads()
             n = probs_local.shape[1]
-            mass = scratch("image_mass", num_rows * n, out.device, out.dtype)
+            mass = scratch("image_mass", num_rows * n, out.device, out.dtype).view(num_rows, n)
+            args = (probs_local.numpy(), factor.contiguous().numpy(), order.numpy(), off.numpy())
+            weights = self._weights(out.dtype, by_column=True).numpy()
+            if num_rows < _GROUP:
+                _project_row_by_row(*args, self.ccol.numpy(), self.csc_student.numpy(), weights,
+                                    mass.numpy(), out.numpy())
+                return out
             mass_t = scratch("image_mass_t", n * _GROUP, out.device, out.dtype)
-            _project_rows(probs_local.numpy(), factor.contiguous().numpy(), order.numpy(),
-                          off.numpy(), self._split(self.ccol).numpy(),
-                          self._lines(by_column=True).numpy(), self.csc_student.numpy(),
-                          self._weights(out.dtype, by_column=True).numpy(),
-                          mass.view(num_rows, n).numpy(), mass_t.view(n, _GROUP).numpy(),
-                          out.numpy())
+            _project_rows(*args, self._split(self.ccol).numpy(),
+                          self._lines(by_column=True).numpy(), self.csc_student.numpy(), weights,
+                          mass.numpy(), mass_t.view(n, _GROUP).numpy(), out.numpy())
             return out
         seg_d = torch.where(seg >= 0, seg, num_rows)
         n = probs_local.shape[1]
@@ -275,12 +303,13 @@ class ImageProjection:
         if self._numba(out) if use_numba is None else use_numba:
             h = out.new_empty(num_rows, out.shape[1])
             dot = torch.zeros(out.shape[0], dtype=out.dtype)
-            g_t = scratch("image_grad", self.size * _GROUP, out.device, out.dtype)
+            group = max(1, min(_GROUP, num_rows))
+            g_t = scratch("image_grad", self.size * group, out.device, out.dtype)
             _use_torch_threads()
             seg = seg.contiguous()
             _unproject_rows(self._split(self.crow).numpy(), self._lines(by_column=False).numpy(),
                             self.col.numpy(), self._weights(out.dtype).numpy(), grad_q.numpy(),
-                            g_t.view(self.size, _GROUP).numpy(), h.numpy())
+                            g_t.view(self.size, group).numpy(), h.numpy())
             _row_dots(out.numpy(), factor.contiguous().numpy(), seg.numpy(), h.numpy(),
                       dot.numpy())
             all_reduce(dot, tp_group)

@@ -254,7 +254,8 @@ class DenseKernel:
     sum_t P_t log P_t - log(EPS) * (mass of P outside I) - sum_{t in I} P_t log(q_t + EPS),
     whose first two terms are taken once per row from the payload (``_teacher_terms``); the
     reverse KL has no term outside I; the JSD's there is beta P_t log(1 / beta) (M = beta P).
-    Equal to ``formulas.projected_kl`` over all of V_t.
+    Equal to ``formulas.projected_kl`` over all of V_t. On CPU the per-row work is
+    :mod:`.exact_rows`' (few vectorised passes; the forward KL's gradient written directly).
     """
 
     per_block = True
