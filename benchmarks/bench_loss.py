@@ -75,8 +75,17 @@ backward, CPU-time ratio to CE (wall at 2 threads):
   49,152      2     9.54-9.88 s, 17.9-19.9x      5.13-5.34 s, 10.1-10.3x
   128,256     2     15.72 s, 12.7x               10.39 s, 6.7x
 
-  Extra memory 22-26% of the logits at V_s 49,152 (was 24-35%; Numba's runtime ~0.1 GiB counts
-  here). At 2 threads a quarter of the CPU time is torch's OpenMP threads spinning after each
+  With the demo's real W (``--projection`` of SmolLM2-135M -> Qwen2.5-Coder-0.5B: 1.22
+  entries a row, |I| = 40,132; the synthetic W has 2.65 and 87,607, with no locality), 1
+  thread, A/B of 7e44447 (before, with this script) and 0d732f3 (after):
+
+  tokens  form         before              after
+   1,024  full         1.75 s, 8.6x CE     1.23 s, 6.0x CE
+   4,096  full         6.22 s, 7.7x        4.20 s, 5.2x
+   4,096  chunk_topk   0.68 s, 0.85x       0.68 s, 0.83x
+
+  Extra memory 22-26% of the logits at V_s 49,152 (was 24-35%; real W at 4,096 tokens 18%,
+  was 27%; Numba's runtime ~0.1 GiB counts here). At 2 threads a quarter of the CPU time is torch's OpenMP threads spinning after each
   torch op while Numba's threads run: with OMP_WAIT_POLICY=PASSIVE the same run takes 4.16 s
   wall, 7.1x (not set by the library: it is the process's choice).
 

@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "over CE only (examples/cross_tokenizer_distillation/REPORT.md)")
     g.add_argument("--kd-topk", type=int, default=64,
                    help="teacher columns shipped: N = top-N (see mode); 0 = the full vocabulary "
-                   "(exact P-KL: 8-12x the loss time of top-64 on CPU and 1000x its payload; "
+                   "(exact P-KL: 6-12x the loss time of top-64 on CPU and 1000x its payload; "
                    "top-64 per chunk keeps the gradient's direction to cosine 0.999, "
                    "benchmarks/bench_loss_compression.py). Top-64 is the default for its payload "
                    "(522 B per student token); in the quality study (random-init student, 3 seeds) "
