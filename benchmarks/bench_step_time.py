@@ -18,6 +18,12 @@ Models, checkpoints and the projection are fetched/converted/built once and cach
   disaggregated  chunk top-64 + tail    11.50   2.75     7.81  (0.33)   0.57  11.13        46       524
   disaggregated  full vocabulary        11.76   0.00    10.94  (3.18)   0.60  11.56        44   612,496
 
+The loss column at 2026-11-28 (same command, colocated; A/B of fa015af and the commit that set
+a floor of 8 positions a block, ``loss/block_size.py``, runs alternated twice): full vocabulary
+0.91-0.92 -> 0.53-0.60 s a step, chunk top-64 0.13-0.16 -> 0.10-0.13 s (a rank's micro-batch is
+128 tokens: the 1/128 share made blocks of one position). Since 7e44447 (before
+``loss/exact_rows.py``) the full-vocabulary loss went from 0.82-1.04 s a step.
+
 Disaggregated = 1 teacher rank + 1 student rank (one node: payloads through shared-memory
 slots): the teacher's forward of step k+1 overlaps the student's step k, so a step costs the
 slower side, not the sum. With full-vocabulary payloads the student is the slower side (the

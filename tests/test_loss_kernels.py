@@ -320,7 +320,10 @@ def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_it
             assert fits * 4 * v * kernel.block_buffers <= budget
             assert budget < (fits + 1) * 4 * v * kernel.block_buffers
             assert p == max(85, fits)
-        assert block_positions(kernel, 100, v, 4, cuda) == 1  # the CPU rule's 1/128 share
+        assert block_positions(kernel, 100, v, 4, cuda) == 8  # the CPU rule's floor
+        assert block_positions(kernel, 100, v, 4, cpu) == 8  # (1/128 of them would be 1)
+        assert block_positions(kernel, 2048, v, 4, cpu) == 16  # the share above the floor
+        assert block_positions(kernel, 100, 10_000_000, 4, cpu) == 1  # within BLOCK_BYTES
     assert block_positions(GoldKernel, n, v, 4, cuda) == 264
     assert block_positions(DenseKernel, n, v, 4, cuda) == 133
     assert block_positions(GoldKernel, n, v, 4, cuda, 512 << 20) == 682  # as asked, a quarter
