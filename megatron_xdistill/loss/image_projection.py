@@ -43,6 +43,17 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
 _GROUP = 8
 
 
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _row_sum(p, factor, order, lo, hi, m):  # pragma: no cover - numba
+    """m = sum of p[i] * factor[i] over the positions order[lo:hi] (one row's)."""
+    m[:] = 0.0
+    for j in range(lo, hi):
+        i = order[j]
+        f, pi = factor[i], p[i]
+        for s in range(p.shape[1]):
+            m[s] += pi[s] * f
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _project_rows(p, factor, order, row_off, split, ccol_e, cstudent, cval, mass, mass_t, out
                   ):  # pragma: no cover - numba
@@ -53,13 +64,7 @@ def _project_rows(p, factor, order, row_off, split, ccol_e, cstudent, cval, mass
     boundaries (``split``) so parallel parts write apart."""
     rows, n = row_off.shape[0] - 1, p.shape[1]
     for r in prange(rows):
-        m = mass[r]
-        m[:] = 0.0
-        for j in range(row_off[r], row_off[r + 1]):
-            i = order[j]
-            f, pi = factor[i], p[i]
-            for s in range(n):
-                m[s] += pi[s] * f
+        _row_sum(p, factor, order, row_off[r], row_off[r + 1], mass[r])
     group = mass_t.shape[1]
     for g0 in range(0, rows, group):
         width = min(group, rows - g0)
@@ -80,15 +85,9 @@ def _project_row_by_row(p, factor, order, row_off, ccol, cstudent, cval, mass, o
     """:func:`_project_rows` one row at a time: a row's sum in ``mass[r]``, then per column of
     I its entries' products summed in a register (fewer than a group of rows: the transposed
     table would only spread the row over more cache lines)."""
-    n = p.shape[1]
     for r in prange(out.shape[0]):
         m = mass[r]
-        m[:] = 0.0
-        for j in range(row_off[r], row_off[r + 1]):
-            i = order[j]
-            f, pi = factor[i], p[i]
-            for s in range(n):
-                m[s] += pi[s] * f
+        _row_sum(p, factor, order, row_off[r], row_off[r + 1], m)
         o = out[r]
         for t in range(o.shape[0]):
             acc = 0.0
