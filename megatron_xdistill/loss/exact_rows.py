@@ -21,21 +21,15 @@ from __future__ import annotations
 
 import math
 
-import numba
 import torch
 from numba import njit, prange
 
 from .common import EPS, TINY
+from .image_projection import numba_takes, use_torch_threads
 from .workspace import scratch
 
-
-def supported(t: torch.Tensor) -> bool:
-    """Whether these CPU maps take ``t`` (a CPU float32 / float64 tensor)."""
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
-
-
-def _use_torch_threads() -> None:
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+#: Whether these CPU maps take a tensor (the projection's Numba kernels take the same).
+supported = numba_takes
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -82,7 +76,7 @@ def teacher_terms(logprobs: torch.Tensor, keys: torch.Tensor, in_image: torch.Te
     keys = torch.unique(keys)
     outside = (~in_image).to(logprobs.dtype)
     mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
-    _use_torch_threads()
+    use_torch_threads()
     for lo in range(0, keys.numel(), rows_per_step):
         part = keys[lo: lo + rows_per_step]
         m = part.numel()
@@ -107,11 +101,11 @@ def _gather(lp, keys, image, out):  # pragma: no cover - numba
 
 
 def _teacher_probs(logprobs: torch.Tensor, keys: torch.Tensor, image: torch.Tensor,
-                   dtype: torch.dtype, name: str) -> torch.Tensor:
-    """P on I of the payload rows ``keys`` [r, |I|] (a reused buffer ``name``)."""
-    p = scratch(name, keys.numel() * image.numel(), logprobs.device, dtype)
+                   dtype: torch.dtype) -> torch.Tensor:
+    """P on I of the payload rows ``keys`` [r, |I|] (a reused buffer)."""
+    p = scratch("image_p", keys.numel() * image.numel(), logprobs.device, dtype)
     p = p.view(keys.numel(), image.numel())
-    _use_torch_threads()
+    use_torch_threads()
     _gather(logprobs.numpy(), keys.contiguous().numpy(), image.numpy(), p.numpy())
     return p.exp_()
 
@@ -147,7 +141,7 @@ def image_kl(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor, image:
     if rows == 0 or image.numel() == 0:
         return const.index_select(0, keys).to(u.dtype), at
     u = u.contiguous()
-    p = _teacher_probs(logprobs, keys, image, u.dtype, "image_p")
+    p = _teacher_probs(logprobs, keys, image, u.dtype)
     total = u.sum(-1, keepdim=True).clamp_min_(TINY)
     log_q = scratch("image_log_q", u.numel(), u.device, u.dtype).view_as(u)
     torch.div(u, total, out=log_q).add_(EPS).log_()
@@ -183,7 +177,7 @@ def image_kl_grad(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
     if rows == 0 or image.numel() == 0:
         return g.zero_()
     u = u.contiguous()
-    p = _teacher_probs(logprobs, keys, image, u.dtype, "image_p")
+    p = _teacher_probs(logprobs, keys, image, u.dtype)
     sums = u.sum(-1)
     total = sums.clamp_min(TINY)
     inv = 1.0 / total

@@ -161,9 +161,14 @@ def _row_runs(seg: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Ten
     return order.index_select(0, perm), off
 
 
-def _use_torch_threads() -> None:
+def use_torch_threads() -> None:
     """Numba's parallel loops take as many threads as torch (one per rank on a shared CPU)."""
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+
+
+def numba_takes(t: torch.Tensor) -> bool:
+    """Whether the loss's Numba kernels take ``t`` (a CPU float32 / float64 tensor)."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
@@ -219,9 +224,7 @@ class ImageProjection:
     def size(self) -> int:
         return int(self.image.numel())
 
-    @staticmethod
-    def _numba(t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+    _numba = staticmethod(numba_takes)
 
     def _matrix(self, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
         """W on I as a sparse CSR matrix [V_real, |I|] (``transposed``: [|I|, V_real]),
@@ -268,7 +271,7 @@ class ImageProjection:
         out = probs_local.new_zeros(num_rows, self.size)
         if self._numba(probs_local) if use_numba is None else use_numba:
             order, off = _row_runs(seg, num_rows)
-            _use_torch_threads()
+            use_torch_threads()
             n = probs_local.shape[1]
             mass = scratch("image_mass", num_rows * n, out.device, out.dtype).view(num_rows, n)
             args = (probs_local.numpy(), factor.contiguous().numpy(), order.numpy(), off.numpy())
@@ -304,16 +307,15 @@ class ImageProjection:
             dot = torch.zeros(out.shape[0], dtype=out.dtype)
             group = max(1, min(_GROUP, num_rows))
             g_t = scratch("image_grad", self.size * group, out.device, out.dtype)
-            _use_torch_threads()
-            seg = seg.contiguous()
+            use_torch_threads()
+            seg_np, factor_np = seg.contiguous().numpy(), factor.contiguous().numpy()
             _unproject_rows(self._split(self.crow).numpy(), self._lines(by_column=False).numpy(),
                             self.col.numpy(), self._weights(out.dtype).numpy(), grad_q.numpy(),
                             g_t.view(self.size, group).numpy(), h.numpy())
-            _row_dots(out.numpy(), factor.contiguous().numpy(), seg.numpy(), h.numpy(),
-                      dot.numpy())
+            _row_dots(out.numpy(), factor_np, seg_np, h.numpy(), dot.numpy())
             all_reduce(dot, tp_group)
-            _combine(out.numpy(), factor.contiguous().numpy(), seg.contiguous().numpy(),
-                     h.numpy(), dot.numpy(), float(inv_t), coef.to(out.dtype).contiguous().numpy())
+            _combine(out.numpy(), factor_np, seg_np, h.numpy(), dot.numpy(), float(inv_t),
+                     coef.to(out.dtype).contiguous().numpy())
             return
         if num_rows and self.size:  # h^T = W_I grad_q^T: [V_real, |I|] CSR times [|I|, rows]
             h_rows = torch.sparse.mm(self._matrix(out.dtype, False), grad_q.t()).t()
