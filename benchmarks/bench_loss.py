@@ -58,8 +58,20 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   teacher's): 4,096 tokens, 1 thread, 3.06 s, 3.7x CE (91865cb and 785c61b alike).
   Same extra memory (8-11% of the logits). (A first step, the second sort gone but the
   backward still by autograd through ``kl``: 4.8-5.2x at 2,048 tokens, 4.9-5.1x / 8.1-8.3x at
-  4,096.) What is left: the forward's sort (~25% of the time, one thread: NumPy), the softmax
-  twice (as CE), and each chunk row's passes over both halves of the vocabulary.
+  4,096.) Then the forward's sort by a Numba radix select + sort in linear time
+  (``loss/sorted_top.py``; NumPy's partition + sort, not SIMD on this AMD EPYC, took 0.29 of
+  0.36 ms a row): A/B of cfc4c94 (before) and the commit that made it, runs alternated, s per
+  forward + backward, CPU-time ratio to CE:
+
+  V_s      threads  before                     after
+  49,152      1     2.97-3.04 s, 3.73-3.80x    2.44-2.46 s, 2.97-3.07x
+  49,152      2     2.38 s wall, 5.2x          2.30 s wall, 5.0x (OMP_WAIT_POLICY=PASSIVE: 2.13 s)
+  128,256     2     6.04 s wall, 4.8x          4.56 s wall, 3.9x
+
+  Extra memory 0.06 -> 0.10 GB at V_s 49,152 (7.8% -> 13.5% of these logits; 3.4% at 16k
+  tokens): Numba's runtime, ~40 MB once per process. What is left: the softmax twice (as CE;
+  ~18%), each chunk row's passes over both halves of the vocabulary (gathers, means, the sign
+  runs), and at 2 threads the NumPy passes that run on one.
 
 The exact form with its per-row teacher work in few vectorised passes (``loss/exact_rows.py``:
 the teacher-only terms by one torch exp and one Numba pass per few rows, was seven torch passes;

@@ -102,7 +102,7 @@ def take_gpu_paths() -> None:
     rule = kernels.DenseKernel.teacher_rows_per_step.__func__
     kernels.DenseKernel.teacher_rows_per_step = classmethod(
         lambda cls, n, device: rule(cls, n, torch.device("cuda")))
-    sorted_top._numpy_path = lambda x: False
+    sorted_top._numba_path = lambda x: False
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,12 +4,13 @@ The gold form compares the sorted uncommon probabilities of student and teacher 
 ``torch.topk(8192)`` over ~24k uncommon columns took 55 ms of gold's 154 ms busy time at 16k
 tokens (H200 profile, 2026-11-26). This times the ways to get those values, forward only and
 forward + backward (the gradient goes back to the columns they came from), so the next device
-session can pick the fastest from one call (2 busy CPU cores, 64 rows: topk 60 / 91 ms, sort 116 /
-272, numpy 3.4 / 17 ms forward / forward + backward: NumPy is why the CPU path uses it):
+session can pick the fastest from one call. On CPU, 256 rows, 1 thread (AMD EPYC, where NumPy's
+sort is not SIMD; 2026-11-28), forward / forward + backward: topk 91 / 98 ms, sort 221 / 228,
+NumPy's partition + sort (the CPU path until then) 73 / 214, the radix kernel 15 / 27.
 
   topk          x.topk(n, sorted=True).values (what runs on an accelerator today)
   sort          x.sort(descending=True).values[:, :n] (a full segmented sort)
-  numpy         loss.sorted_top's CPU path (NumPy partition + sort), CPU only
+  radix         loss.sorted_top's CPU path (a Numba radix select + sort), CPU only
 
   python benchmarks/bench_sorted_top.py [--device cuda] [--rows 1024 4096] [--width 24576]
       [--n 8192] [--repeat 5]
@@ -39,7 +40,7 @@ def _methods(device: torch.device) -> dict:
         "sort": lambda x, n: x.sort(dim=1, descending=True).values[:, :n],
     }
     if device.type == "cpu":
-        out["numpy"] = sorted_top
+        out["radix"] = sorted_top
     return out
 
 

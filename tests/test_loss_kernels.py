@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_xdistill.loss import sorted_l1 as l1
 from megatron_xdistill.loss.image_projection import ImageProjection
 from megatron_xdistill.loss.shard import ProjectionShard
-from megatron_xdistill.loss.sorted_top import sorted_top
+from megatron_xdistill.loss.sorted_top import sorted_top, top_values
 
 VS, VT = 40, 90
 
@@ -115,6 +116,33 @@ def test_sorted_top_equals_topk_with_its_gradient(n):
         torch.testing.assert_close(sorted_top(x, n), x.topk(n, dim=1).values)
     finite = torch.isfinite(x)  # tied -inf pads may be taken in any order (exp(-inf) = 0 in gold)
     torch.testing.assert_close(mine.grad[finite], ref.grad[finite])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_top_values_radix_select_equals_numpys_sort(dtype):
+    """The Numba radix select + sort against NumPy's full sort, bit for bit: rows of ordinary
+    log-values, wide and narrow spreads (one histogram bucket or many), -inf pads, signed
+    zeros, many ties, one distinct value, n = 1 and n = m; the columns point at the values."""
+    rng = np.random.default_rng(0)
+    m = 3000
+    a = (rng.standard_normal((9, m)) * 2 - 11).astype(dtype)
+    a[1] *= 1e-6                      # a narrow spread: keys differ in low bits only
+    a[2, :2500] = -np.inf             # a short shard's pads, below n
+    a[3, ::3] = -np.inf
+    a[4] = rng.integers(-3, 3, m)     # few distinct values, many ties
+    a[5] = -7.25                      # one value
+    a[6, :10] = [0.0, -0.0, 1e-40, -1e-40, np.inf, 3.0, -3.0, 5e37, -5e37, 1.0]
+    a[7] = np.abs(a[7])               # positive values (probabilities, as sorted_top's callers)
+    a[8] = rng.permutation(m).astype(dtype)
+    for n in (1, 2, 517, 2999, m):
+        want = -np.sort(-a, axis=1)[:, :n]
+        values, cols = top_values(a, n, with_columns=True)
+        assert values.dtype == a.dtype and values.shape == (9, n)
+        np.testing.assert_array_equal(values, want)
+        np.testing.assert_array_equal(  # each value is its column's, bit for bit (-0.0, 0.0)
+            np.take_along_axis(a, cols, 1).view(np.uint8), values.view(np.uint8))
+        assert all(len(set(row)) == n for row in cols.tolist())  # distinct columns
+        np.testing.assert_array_equal(top_values(a, n)[0], values)
 
 
 def _l1_reference(a: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ import torch
 from numba import njit, prange
 
 from .common import EPS, TINY
-from .image_projection import numba_takes, use_torch_threads
+from .numba_cpu import numba_takes, use_torch_threads
 from .workspace import scratch
 
 #: Whether these CPU maps take a tensor (the projection's Numba kernels take the same).

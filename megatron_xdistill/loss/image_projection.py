@@ -19,7 +19,6 @@ misses of columns with 1-4 entries cost more than the gathers); the entries are 
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field
 
@@ -28,14 +27,9 @@ import torch
 from numba import njit, prange
 
 from .collectives import Group, all_reduce
+from .numba_cpu import numba_takes, use_torch_threads
 from .shard import ProjectionShard
 from .workspace import scratch
-
-# Numba's OpenMP layer keeps its threads spinning after each parallel loop (a rank that should use
-# one core uses two) and shares the OpenMP runtime with torch; its own thread pool does neither.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
-
 
 #: Rows projected together: each W entry read once serves this many rows (one 32-byte vector of
 #: a [V, 8] transposed mass); measured fastest of 4, 8, 16 and 32 on a 2-core AVX-512 CPU
@@ -159,16 +153,6 @@ def _row_runs(seg: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Ten
     off = torch.zeros(num_rows + 1, dtype=torch.int64, device=seg.device)
     off[1:] = torch.cumsum(counts, 0)
     return order.index_select(0, perm), off
-
-
-def use_torch_threads() -> None:
-    """Numba's parallel loops take as many threads as torch (one per rank on a shared CPU)."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-
-
-def numba_takes(t: torch.Tensor) -> bool:
-    """Whether the loss's Numba kernels take ``t`` (a CPU float32 / float64 tensor)."""
-    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .numba_cpu import numba_takes
+from .sorted_top import top_values
+
 #: Above this many run starts in a row, the backward finds runs by binary search, not by passes.
 _PASSES_UP_TO = 12
 
@@ -116,9 +119,8 @@ class RunMemo:
 
 
 def _top_values(a: np.ndarray, n: int) -> np.ndarray:
-    """The n largest of each row, descending (NumPy's SIMD partition and sort)."""
-    part = a if n == a.shape[1] else -np.partition(-a, n - 1, axis=1)[:, :n]
-    return -np.sort(-part, axis=1)
+    """The n largest of each row, descending (:func:`.sorted_top.top_values`' radix select)."""
+    return top_values(a, n)[0]
 
 
 def _tied_signs(top: torch.Tensor, sign: torch.Tensor, a: torch.Tensor, row: torch.Tensor,
@@ -242,9 +244,8 @@ class _SortedL1(torch.autograd.Function):
         return _slopes(a, SignRuns(None, *runs, None)).mul_(grad[:, None]), None, None, None
 
 
-def supported(a: torch.Tensor) -> bool:
-    """Whether :func:`sorted_l1` runs on ``a`` (CPU fp32 / fp64: NumPy sorts it)."""
-    return a.device.type == "cpu" and a.dtype in (torch.float32, torch.float64)
+#: Whether :func:`sorted_l1` runs on a tensor (CPU fp32 / fp64: Numba sorts it, NumPy masks it).
+supported = numba_takes
 
 
 def sorted_l1(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None = None,
