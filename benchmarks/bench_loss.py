@@ -69,9 +69,23 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   128,256     2     6.04 s wall, 4.8x          4.56 s wall, 3.9x
 
   Extra memory 0.06 -> 0.10 GB at V_s 49,152 (7.8% -> 13.5% of these logits; 3.4% at 16k
-  tokens): Numba's runtime, ~40 MB once per process. What is left: the softmax twice (as CE;
-  ~18%), each chunk row's passes over both halves of the vocabulary (gathers, means, the sign
-  runs), and at 2 threads the NumPy passes that run on one.
+  tokens): Numba's runtime, ~40 MB once per process.
+  Then each chunk row's work in few passes (``loss/gold_rows.py``: the means, the common
+  part's KL and argmax in one pass a row; the gradient written in vocabulary order in one;
+  the block's logits gradient without a [positions, V] gather; ``loss/sorted_l1.py``: the sign
+  runs and the slopes by branch-free Numba passes, no NumPy masks or small torch operations):
+  A/B of 65155e8 (before) and the commit that made it, runs alternated, s per forward +
+  backward, CPU-time ratio to CE (wall at 2 threads):
+
+  V_s      threads  before                     after
+  49,152      1     2.60-2.72 s, 3.18-3.45x    2.00-2.17 s, 2.46-2.61x
+  49,152      2     1.96 s, 4.0x               1.80 s, 3.6x
+  128,256     1     -                          5.34 s, 2.57x
+  128,256     2     4.33 s, 3.7x               3.82 s, 2.85x
+
+  Extra memory 13.9% -> 12.3% of the logits (V_s 128,256: 10.1% -> 6.9%). What is left: the
+  softmax twice (as CE; ~20%), the sort (~12%), the chunk rows' sums of the logits (forward and
+  recompute), and torch's exp of the teacher's and the student's chunk values.
 
 The exact form with its per-row teacher work in few vectorised passes (``loss/exact_rows.py``:
 the teacher-only terms by one torch exp and one Numba pass per few rows, was seven torch passes;

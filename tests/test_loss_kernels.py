@@ -173,7 +173,7 @@ def _l1_case(rows: int, m: int, n: int, runs: str, seed: int) -> tuple[torch.Ten
 def test_sorted_l1_equals_topk_with_its_gradient(runs, n):
     a, t = _l1_case(5, 200, n, runs, seed=n)
     starts = l1._sign_runs(a.topk(n, 1).values, t, a, a.sum(1)).starts.shape[1]
-    if n == 200:  # both lookups are taken: comparison passes and binary search
+    if n == 200:  # rows with more run starts than the memo keeps, and fewer
         assert (starts <= l1._PASSES_UP_TO) == (runs == "few")
     mine = a.clone().requires_grad_(True)
     value = l1.sorted_l1(mine, t)
@@ -213,6 +213,75 @@ def test_sorted_l1_backward_reuses_the_forwards_runs_only_for_the_same_values():
     torch.testing.assert_close(first, _l1_reference(a, t)[0], rtol=1e-12, atol=0)
     torch.testing.assert_close(mine.grad, _l1_reference(a, t)[1], rtol=1e-12, atol=1e-300)
     torch.testing.assert_close(other.grad, _l1_reference(moved, t)[1], rtol=1e-12, atol=1e-300)
+
+
+def _gold_kernel(vs: int, common: int, n: int, rows: int, seed: int):
+    """A GoldKernel (one TP rank, forward KL) on ``vs`` student columns, ``common`` of them
+    paired, a payload of ``rows`` chunks keeping ``n`` uncommon probabilities, and a block's
+    raw sums (summed logits of 1-3 positions, their log-partitions, counts)."""
+    from megatron_xdistill.loss.kernels import GoldKernel
+    from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+
+    gen = torch.Generator().manual_seed(seed)
+    common_ids = torch.randperm(vs, generator=gen)[:common]  # pair order, not sorted
+    payload = TeacherPayload(
+        PayloadSpec("gold", rows, common, n),
+        torch.log_softmax(torch.randn(1, rows, common, generator=gen, dtype=torch.float64), -1),
+        torch.ones(1, rows, dtype=torch.bool),
+        uncommon_probs=(torch.rand(1, rows, n, generator=gen, dtype=torch.float64) * 0.02
+                        ).sort(-1, descending=True).values)
+    kernel = GoldKernel(payload, common_ids, 0, vs, n, 0.0, None)
+    counts = torch.randint(1, 4, (rows,), generator=gen)
+    logits = torch.randn(int(counts.sum()), vs, generator=gen, dtype=torch.float64) * 3
+    logits[0, :40] = 2.0  # ties among a row's values
+    lz = torch.logsumexp(logits, 1)
+    seg = torch.repeat_interleave(torch.arange(rows), counts)
+    raw = {"x": torch.zeros(rows, vs, dtype=torch.float64).index_add_(0, seg, logits),
+           "lz": torch.zeros(rows, dtype=torch.float64).index_add_(0, seg, lz)}
+    return kernel, raw, counts
+
+
+@pytest.mark.parametrize("n", [1, 60, 130])
+def test_gold_rows_equal_torchs_kl_and_its_autograd(n):
+    """gold_rows' CPU passes (the KL's forward; its gradient written directly) against the
+    kernel's torch operations and autograd through them, on the same rows: the common
+    columns in pair order, ties, every uncommon column a candidate (n = |U|)."""
+    kernel, raw, counts = _gold_kernel(vs=250, common=120, n=n, rows=9, seed=n)
+    keys = torch.tensor([3, 0, 8, 1, 2, 7, 6, 5, 4])
+    weight = torch.rand(9, dtype=torch.float64) + 0.5
+    student_top = ((raw["x"][:, kernel.col_common] - raw["lz"][:, None]) / counts[:, None]
+                   ).argmax(1)  # (one TP rank: the common columns are in pair order)
+    kernel.payload.logprobs[0, keys[::2], student_top[::2]] = 0.0  # these rows agree
+    assert kernel._by_rows(raw["x"])
+    kl, agree = kernel.kl(raw, keys, counts)
+    got = kernel.raw_grad(raw, keys, counts, weight)
+    kernel._by_rows = lambda x: False  # torch's operations, differentiated by autograd
+    kernel.runs = None
+    leaves = {k: v.clone().requires_grad_(True) for k, v in raw.items()}
+    want_kl, want_agree = kernel.kl(leaves, keys, counts)
+    (want_kl * weight).sum().backward()
+    assert kernel.raw_grad(raw, keys, counts, weight) is None
+    torch.testing.assert_close(kl, want_kl.detach(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(agree, want_agree) and bool(agree.any()) and not bool(agree.all())
+    torch.testing.assert_close(got["x"], leaves["x"].grad, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got["lz"], leaves["lz"].grad, rtol=1e-12, atol=1e-15)
+
+
+def test_gold_rows_spread_equals_the_gather_it_replaces():
+    """out[i] * c_i + alpha g[row(i)], positions without a row (-1 or the dummy R) scaled only."""
+    from megatron_xdistill.loss.gold_rows import spread_rows_
+
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        out = torch.randn(7, 33, generator=gen, dtype=dtype)
+        c = torch.randn(7, generator=gen, dtype=dtype)
+        g = torch.randn(3, 33, generator=gen, dtype=dtype)
+        seg = torch.tensor([0, 2, -1, 1, 3, 0, 2])
+        want = out * c[:, None] + 0.7 * torch.cat([g, g.new_zeros(1, 33)])[seg.clamp_max(3)]
+        want[2] = out[2] * c[2]
+        spread_rows_(out, c, seg, g, 0.7)
+        torch.testing.assert_close(out, want, rtol=1e-6 if dtype == torch.float32 else 1e-14,
+                                   atol=1e-6 if dtype == torch.float32 else 1e-14)
 
 
 def test_sorted_l1_memo_keeps_no_row_with_more_runs_than_it_holds():

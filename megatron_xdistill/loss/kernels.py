@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import exact_rows, row_softmax, sorted_l1
+from . import exact_rows, gold_rows, row_softmax, sorted_l1
 from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
@@ -27,6 +27,7 @@ from .common import EPS, TINY
 from .formulas import divergence, projected_kl
 from .fused_grad import FusedGradWriter
 from .image_projection import ImageProjection
+from .numba_cpu import numba_takes
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 from .sorted_top import sorted_top
@@ -400,8 +401,6 @@ class GoldKernel:
         uncommon = torch.ones(num_real, dtype=torch.bool, device=common_student.device)
         uncommon[self.col_common] = False
         self.col_uncommon = torch.nonzero(uncommon, as_tuple=True)[0]
-        # each real column's place in [common columns (pair order), uncommon columns]
-        self.col_place = torch.argsort(torch.cat([self.col_common, self.col_uncommon]))
         self.num_uncommon = num_uncommon
         self.runs: sorted_l1.RunMemo | None = None  # the forward's sign runs (CPU, TP 1)
 
@@ -424,6 +423,12 @@ class GoldKernel:
         """Whether the uncommon L1 takes :mod:`.sorted_l1`'s sign runs (one TP rank, CPU)."""
         return group_size(self.tp_group) == 1 and sorted_l1.supported(like)
 
+    def _by_rows(self, x: torch.Tensor) -> bool:
+        """Whether :mod:`.gold_rows`' CPU passes take these rows (forward KL, one TP rank, CPU,
+        every uncommon column a candidate); else torch's operations."""
+        return (self.beta == 0.0 and self._by_runs(x)
+                and self.col_uncommon.numel() >= self.num_uncommon)
+
     def _memo(self) -> sorted_l1.RunMemo:
         """The forward's sign runs, kept for the backward (one table per call, made once)."""
         if self.runs is None:
@@ -435,17 +440,23 @@ class GoldKernel:
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = raw["x"]
         rows = x.shape[0]
+        n = self.num_uncommon
+        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
+        b_common = _rows_of(self.payload.logprobs, keys)
+        if self._by_rows(x) and not any(v.requires_grad for v in raw.values()):
+            a_unc, checksum, kl, agree = gold_rows.forward_rows(
+                x, raw["lz"], counts, self.col_common, self.col_uncommon, b_common)
+            kl = kl + sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum,
+                                          keep=True).value
+            return kl, (agree if top1 else None)
         a_common = self._means(raw, counts, self.col_common)
         if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
             a_common = a_common.new_zeros(rows, self.num_common).index_copy(
                 1, self.pair_local, a_common)
         a_common = replicated_sum(a_common, self.tp_group)
-        b_common = _rows_of(self.payload.logprobs, keys)
-        n = self.num_uncommon
         a_unc = self._means(raw, counts, self.col_uncommon)
         if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
             a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
-        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
         kl = divergence(b_common, None, a_common, self.beta)
         if self._by_runs(a_unc):
             kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self._memo(), keys)
@@ -462,29 +473,30 @@ class GoldKernel:
 
     def raw_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
                  weight: torch.Tensor) -> Raw | None:
-        """d(sum_r weight_r KL_r) / d raw written directly, where that is simple (forward KL,
-        one TP rank, on CPU: :mod:`.sorted_l1`): the common part's is -p_teacher, which needs
-        no recompute of the student's means, the uncommon part's the L1's sign times exp(a).
-        None elsewhere (the caller differentiates :meth:`kl`). Same quantities as autograd's
-        through ``kl``; a third of the time of the recompute plus its backward."""
+        """d(sum_r weight_r KL_r) / d raw written directly where :mod:`.gold_rows` runs
+        (forward KL, one TP rank, CPU): the common part's is -p_teacher (no recompute of the
+        student's common means), the uncommon part's the L1's sign times exp(a). None elsewhere
+        (the caller differentiates :meth:`kl`). Same quantities as autograd's through ``kl``."""
         x = raw["x"]
-        n = self.num_uncommon
-        if self.beta != 0.0 or not self._by_runs(x) or self.col_uncommon.numel() < n:
+        if not self._by_rows(x):
             return None
-        scale = (weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype))[:, None]
-        p_common = _rows_of(self.payload.logprobs, keys).to(x.dtype).exp_()
-        a_unc = self._means(raw, counts, self.col_uncommon)
-        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        slopes = sorted_l1.sorted_l1_slopes(a_unc, t_sorted, self._memo(), keys)
-        # a = (x - lz) / count: lz's gradient is minus the sum of the columns'
-        g_lz = scale[:, 0] * (p_common.sum(1) - slopes.sum(1))
-        g = torch.cat([p_common.neg_(), slopes], 1).mul_(scale)  # the common, uncommon columns
-        return {"x": g.index_select(1, self.col_place), "lz": g_lz}
+        scale = weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype)
+        a_unc, checksum = gold_rows.uncommon_means(x, raw["lz"], counts, self.col_uncommon)
+        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
+        runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum)
+        g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
+                                          _rows_of(self.payload.logprobs, keys), scale,
+                                          x.shape[1])
+        return {"x": g, "lz": g_lz}
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
         seg = blk.seg_dummy
         # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
         g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
-        out.mul_((blk.factor * (inv_t * _with_zero_row(g_lz)[seg] + coef))[:, None])
+        scale = blk.factor * (inv_t * _with_zero_row(g_lz)[seg] + coef)
+        if numba_takes(out) and out.is_contiguous():  # one pass, no [positions, V] gather
+            gold_rows.spread_rows_(out, scale, seg, grad["x"], inv_t)
+            return
+        out.mul_(scale[:, None])
         out.add_(_with_zero_row(grad["x"])[seg], alpha=inv_t)

@@ -6,11 +6,10 @@ for the n largest, 0 elsewhere: it needs each element's sign, not its rank. The 
 ranks change in few places (on a real SmolLM2 / Qwen2.5-Coder pair a median of 2 runs per chunk
 row, at most 37 of 8,192 ranks), so the forward keeps, per row, the values where a run of
 equal signs starts and the n-th largest value; the backward finds each element's run by
-comparing it with those few values. That replaces the sort with columns (``argpartition`` +
-``argsort``: 2.2x the values-only sort) by a few passes over the row, in NumPy (its masks and
-products are several times torch's on these [rows, ~24k] arrays). ``sorted_l1_slopes`` gives
-that gradient without autograd, for a loss that writes its backward itself
-(``GoldKernel.raw_grad``).
+comparing it with those few values. That replaces the sort with columns (2.2x the values-only
+sort) by a few branch-free Numba passes over the row (:func:`row_slopes`, which the fused gold
+gradient of :mod:`.gold_rows` shares) after torch's vectorised exp. ``sign_runs`` gives the
+runs to a loss that writes its backward itself (``GoldKernel.raw_grad``).
 
 Equal values whose ranks straddle a change of sign, or the n-th value when equal ones fall
 beyond the n largest, share their ranks' signs equally (each gets the mean sign of the ranks
@@ -25,15 +24,17 @@ sum); otherwise the values are sorted again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit, prange
 
-from .numba_cpu import numba_takes
+from .numba_cpu import numba_takes, use_torch_threads
 from .sorted_top import top_values
 
-#: Above this many run starts in a row, the backward finds runs by binary search, not by passes.
+#: Run starts a row that the memo keeps (a median of 2 on a real pair, at most 37 seen).
 _PASSES_UP_TO = 12
 
 
@@ -49,19 +50,6 @@ class SignRuns:
     tie_values: torch.Tensor  # [r, S] values whose elements share a mean sign (NaN: none)
     tie_signs: torch.Tensor  # [r, S] that mean sign
     checksum: torch.Tensor   # [r] fp64 sum of the row values they were found on
-
-
-def _padded(row: torch.Tensor, values: torch.Tensor, rows: int, fill: float
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entries ``values`` of rows ``row`` (sorted by row) as a [rows, max per row] table padded
-    with ``fill``, and each entry's column there."""
-    per_row = torch.bincount(row, minlength=rows)
-    width = int(per_row.max()) if row.numel() else 0
-    slot = torch.arange(row.numel()) - torch.repeat_interleave(per_row.cumsum(0) - per_row,
-                                                               per_row)
-    table = values.new_full((rows, width), fill)
-    table[row, slot] = values
-    return table, slot
 
 
 class RunMemo:
@@ -123,100 +111,151 @@ def _top_values(a: np.ndarray, n: int) -> np.ndarray:
     return top_values(a, n)[0]
 
 
-def _tied_signs(top: torch.Tensor, sign: torch.Tensor, a: torch.Tensor, row: torch.Tensor,
-                rank: torch.Tensor, threshold: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[r, S] tables of the values whose elements share their ranks' signs (equal values on
-    both sides of a change of sign at (``row``, ``rank``); the n-th value when equal ones lie
-    beyond the n largest) and that shared sign: the sum of the group's signs among the n
-    largest over its number of elements in the row."""
-    rows, n = top.shape
-    straddle = top[row, rank] == top[row, rank + 1]
-    at_threshold = a == threshold[:, None]
-    count_eq = at_threshold.sum(1)
-    beyond = torch.nonzero(count_eq > (top == threshold[:, None]).sum(1), as_tuple=True)[0]
-    t_row = torch.cat([row[straddle], beyond])
-    t_val = torch.cat([top[row[straddle], rank[straddle]], threshold[beyond]])
-    if t_row.numel() == 0:
-        return top.new_zeros(rows, 0), top.new_zeros(rows, 0)
-    order = torch.argsort(t_val, stable=True)
-    order = order[torch.argsort(t_row[order], stable=True)]
-    t_row, t_val = t_row[order], t_val[order]
-    fresh = torch.ones_like(t_row, dtype=torch.bool)
-    fresh[1:] = (t_row[1:] != t_row[:-1]) | (t_val[1:] != t_val[:-1])
-    t_row, t_val = t_row[fresh], t_val[fresh]
-    ascending = -top[t_row]  # each group's ranks [lo, hi) among the row's n largest
-    lo = torch.searchsorted(ascending, -t_val[:, None], right=False)[:, 0]
-    hi = torch.searchsorted(ascending, -t_val[:, None], right=True)[:, 0]
-    cumulative = torch.cat([sign.new_zeros(rows, 1), sign.cumsum(1)], 1)
-    total = cumulative[t_row, hi] - cumulative[t_row, lo]
-    members = torch.where(t_val == threshold[t_row], count_eq[t_row], hi - lo)
-    values, slot = _padded(t_row, t_val, rows, float("nan"))
-    shared = sign.new_zeros(values.shape)
-    shared[t_row, slot] = total / members.to(sign.dtype)
-    return values, shared
+@njit(cache=True, nogil=True)
+def _tie_group(top, sign, a, r, v, threshold, tie_values, tie_signs, count
+               ):  # pragma: no cover - numba
+    """Add value ``v`` of row ``r`` as a tie group (unless it is the last one added): the sum
+    of its ranks' signs among the n largest over its elements in the row. Returns the count
+    of groups."""
+    if count > 0 and tie_values[r, count - 1] == v:
+        return count
+    n = top.shape[1]
+    lo = 0
+    while top[r, lo] != v:
+        lo += 1
+    total, hi = 0.0, lo
+    while hi < n and top[r, hi] == v:
+        total += sign[r, hi]
+        hi += 1
+    members = hi - lo
+    if v == threshold:  # every element equal to the n-th value shares those ranks
+        members = 0
+        for j in range(a.shape[1]):
+            members += a[r, j] == v
+    tie_values[r, count] = v
+    tie_signs[r, count] = total / members
+    return count + 1
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _run_rows(top, d, a, value, sign, starts, signs, num_starts, tie_values, tie_signs,
+              num_ties):  # pragma: no cover - numba
+    """Per row of ``d`` = exp(top) - t: the L1 value (fp64 sum), where runs of equal sign
+    start and each run's sign, and the tie groups (see the module docstring)."""
+    n = top.shape[1]
+    for r in prange(top.shape[0]):
+        total = 0.0
+        for i in range(n):
+            x = d[r, i]
+            total += abs(x)
+            sign[r, i] = 1.0 if x > 0 else (-1.0 if x < 0 else 0.0)
+        value[r] = total
+        k = 0
+        signs[r, 0] = sign[r, 0]
+        for i in range(n - 1):
+            if sign[r, i + 1] != sign[r, i]:
+                starts[r, k] = top[r, i + 1]
+                signs[r, k + 1] = sign[r, i + 1]
+                k += 1
+        num_starts[r] = k
+        threshold = top[r, n - 1]
+        ties = 0
+        for i in range(n - 1):  # equal values on both sides of a change of sign
+            if sign[r, i + 1] != sign[r, i] and top[r, i] == top[r, i + 1]:
+                ties = _tie_group(top, sign, a, r, top[r, i], threshold, tie_values,
+                                  tie_signs, ties)
+        in_top = 0
+        for i in range(n):
+            in_top += top[r, i] == threshold
+        beyond = 0
+        for j in range(a.shape[1]):
+            beyond += a[r, j] == threshold
+        if beyond > in_top:  # the n-th value also lies beyond the n largest
+            ties = _tie_group(top, sign, a, r, threshold, threshold, tie_values, tie_signs,
+                              ties)
+        num_ties[r] = ties
+
+
+def _table(t: torch.Tensor, count: torch.Tensor, fill: float) -> torch.Tensor:
+    """The first max(count) columns of ``t``, ``fill`` past each row's ``count``."""
+    width = int(count.max()) if count.numel() else 0
+    keep = torch.arange(width) < count[:, None]
+    return torch.where(keep, t[:, :width], torch.full((), fill, dtype=t.dtype))
 
 
 def _sign_runs(top: torch.Tensor, t: torch.Tensor, a: torch.Tensor, checksum: torch.Tensor
                ) -> SignRuns:
     """Runs of the signs of ``exp(top) - t`` ([r, n], ``top`` the n largest of ``a``,
-    descending), the L1 value and the tied values' shared signs."""
-    d = top.exp() - t
-    value = d.abs().sum(-1)
-    sign = torch.sign(d)
-    change = sign[:, 1:] != sign[:, :-1]  # a run starts at rank i + 1
-    row, rank = torch.nonzero(change, as_tuple=True)
-    threshold = top[:, -1].clone()  # not a view: the memo would keep all of top
-    starts, slot = _padded(row, top[row, rank + 1], top.shape[0], float("-inf"))
-    signs = sign.new_zeros(top.shape[0], starts.shape[1] + 1)
-    signs[:, 0] = sign[:, 0]
-    signs[row, slot + 1] = sign[row, rank + 1]
-    tie_values, tie_signs = _tied_signs(top, sign, a, row, rank, threshold)
-    return SignRuns(value, threshold, starts, signs, tie_values, tie_signs, checksum)
+    descending), the L1 value and the tied values' shared signs: one Numba pass a row after
+    torch's exp."""
+    top = top.contiguous()
+    rows, n = top.shape
+    d = top.exp().sub_(t)
+    value = torch.empty(rows, dtype=torch.float64)
+    sign, starts, signs, tie_values, tie_signs = (top.new_empty(rows, n) for _ in range(5))
+    num_starts = torch.empty(rows, dtype=torch.int64)
+    num_ties = torch.empty(rows, dtype=torch.int64)
+    use_torch_threads()
+    _run_rows(top.numpy(), d.numpy(), a.detach().contiguous().numpy(), value.numpy(),
+              sign.numpy(), starts.numpy(), signs.numpy(), num_starts.numpy(),
+              tie_values.numpy(), tie_signs.numpy(), num_ties.numpy())
+    return SignRuns(value.to(top.dtype), top[:, -1].clone(), _table(starts, num_starts, -math.inf),
+                    _table(signs, num_starts + 1, 0.0), _table(tie_values, num_ties, math.nan),
+                    _table(tie_signs, num_ties, 0.0), checksum)
 
 
-def _element_signs(a: torch.Tensor, threshold: torch.Tensor, starts: torch.Tensor,
-                   signs: torch.Tensor, tie_values: torch.Tensor, tie_signs: torch.Tensor
-                   ) -> np.ndarray:
-    """Each element's sign: that of the run its value falls in (0 outside the n largest), or
-    its tie group's shared sign. Run k + 1 holds the values at or below ``starts[:, k]``
-    (descending): the sign is run 0's plus the change at each start at or above the value.
-    NumPy's masks and products (several times torch's on these [rows, ~24k] arrays); every
-    step is exact (signs are -1, 0, 1 or a tie group's shared value, masks 0 / 1)."""
-    x = a.detach().numpy()
-    sg = signs.numpy()
-    k = starts.shape[1]
-    if k <= _PASSES_UP_TO:
-        out = np.broadcast_to(sg[:, :1], x.shape).copy()
-        st = starts.numpy()
-        for i in range(k):
-            out += (x <= st[:, i: i + 1]) * (sg[:, i + 1: i + 2] - sg[:, i: i + 1])
-    else:
-        seg = k - torch.searchsorted(starts.flip(1).contiguous(), a.detach().contiguous(),
-                                     right=False)
-        out = np.take_along_axis(sg, seg.numpy(), 1)
-    out *= x >= threshold.numpy()[:, None]
-    tv, ts = tie_values.numpy(), tie_signs.numpy()
-    for i in range(tv.shape[1]):  # out * (1 - eq) + shared * eq, exactly
-        eq = x == tv[:, i: i + 1]
-        out *= ~eq
-        out += eq * ts[:, i: i + 1]
-    return out
+@njit(cache=True, nogil=True, fastmath={"contract"})
+def row_slopes(a, e, r, threshold, starts, signs, tie_values, tie_signs, out
+               ):  # pragma: no cover - numba
+    """out = the slopes of row ``r`` (values ``a``, ``e`` = exp(a)): each value's sign times its
+    exp, the sign that of the run the value falls in (0 below the n-th largest) or its tie
+    group's shared one. Run k + 1 holds the values at or below ``starts[r, k]`` (descending,
+    -inf padded): the sign is run 0's plus the change at each start at or above the value.
+    A pass per start, each branch-free over the row (vectorised); exact (signs are -1, 0, 1
+    or a tie group's shared value)."""
+    m = a.shape[0]
+    s0 = signs[r, 0]
+    for j in range(m):
+        out[j] = s0
+    for k in range(starts.shape[1]):
+        start, change = starts[r, k], signs[r, k + 1] - signs[r, k]
+        for j in range(m):
+            out[j] += change if a[j] <= start else 0.0
+    t = threshold[r]
+    for j in range(m):
+        out[j] = out[j] * e[j] if a[j] >= t else 0.0
+    for k in range(tie_values.shape[1]):
+        v, shared = tie_values[r, k], tie_signs[r, k]
+        for j in range(m):
+            out[j] = shared * e[j] if a[j] == v else out[j]
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath={"contract"})
+def _slope_rows(a, e, threshold, starts, signs, tie_values, tie_signs, out
+                ):  # pragma: no cover - numba
+    for r in prange(a.shape[0]):
+        row_slopes(a[r], e[r], r, threshold, starts, signs, tie_values, tie_signs, out[r])
 
 
 def _slopes(a: torch.Tensor, runs: SignRuns) -> torch.Tensor:
-    """d L1 / d a: each element's sign times exp(a) (0 outside the n largest)."""
-    out = _element_signs(a, runs.threshold, runs.starts, runs.signs, runs.tie_values,
-                         runs.tie_signs)
-    out *= np.exp(a.detach().numpy())
-    return torch.from_numpy(out)
+    """d L1 / d a: each element's sign times exp(a) (0 outside the n largest), by
+    :func:`row_slopes` after torch's vectorised exp."""
+    a = a.detach().contiguous()
+    out = torch.empty_like(a)
+    use_torch_threads()
+    _slope_rows(a.numpy(), torch.exp(a).numpy(), *(t.to(a.dtype).contiguous().numpy() for t in (
+        runs.threshold, runs.starts, runs.signs, runs.tie_values, runs.tie_signs)), out.numpy())
+    return out
 
 
 def _runs_of(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None,
-             keys: torch.Tensor | None, keep: bool) -> SignRuns:
-    """The runs of ``a``'s rows: the memo's if it holds them for these values, else found by
-    sorting (and kept in the memo when ``keep``)."""
-    checksum = a.sum(1, dtype=torch.float64)
+             keys: torch.Tensor | None, keep: bool, checksum: torch.Tensor | None = None
+             ) -> SignRuns:
+    """The runs of ``a``'s rows: the memo's if it holds them for these values (``checksum``,
+    their fp64 row sums: found here unless given), else found by sorting (and kept in the
+    memo when ``keep``)."""
+    if checksum is None:
+        checksum = a.sum(1, dtype=torch.float64)
     runs = memo.take(keys, checksum, a) if memo is not None else None
     if runs is None:
         top = torch.from_numpy(_top_values(a.detach().numpy(), t.shape[1]))
@@ -244,7 +283,7 @@ class _SortedL1(torch.autograd.Function):
         return _slopes(a, SignRuns(None, *runs, None)).mul_(grad[:, None]), None, None, None
 
 
-#: Whether :func:`sorted_l1` runs on a tensor (CPU fp32 / fp64: Numba sorts it, NumPy masks it).
+#: Whether :func:`sorted_l1` runs on a tensor (CPU fp32 / fp64: its Numba kernels take it).
 supported = numba_takes
 
 
@@ -259,14 +298,19 @@ def sorted_l1(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None = None,
     return _SortedL1.apply(a, t.to(a.dtype), memo, keys)
 
 
-def sorted_l1_slopes(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None = None,
-                     keys: torch.Tensor | None = None) -> torch.Tensor:
-    """The gradient of :func:`sorted_l1`'s rows with respect to ``a`` [r, m], without
-    autograd (a backward that writes its gradient directly); the memo's runs when it holds
-    them for these values."""
-    if t.shape[1] == 0 or a.shape[0] == 0:
-        return torch.zeros_like(a)
-    return _slopes(a, _runs_of(a, t.to(a.dtype), memo, keys, keep=False))
+def sign_runs(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None = None,
+              keys: torch.Tensor | None = None, checksum: torch.Tensor | None = None,
+              keep: bool = False) -> SignRuns:
+    """The sign runs of :func:`sorted_l1`'s rows (``a`` [r, m] log values, ``t`` [r, n] sorted
+    teacher values; ``checksum``: a's fp64 row sums if the caller has them), with the L1 value:
+    the memo's when it holds them for these values, else found by sorting and, if ``keep``,
+    kept (n = 0: value 0, a threshold of +inf, every sign 0). For a loss that writes its
+    gradient itself (:mod:`.gold_rows`): its forward keeps, its backward takes."""
+    if t.shape[1] == 0:
+        none = a.new_empty(a.shape[0], 0)
+        return SignRuns(a.new_zeros(a.shape[0]), a.new_full((a.shape[0],), float("inf")), none,
+                        a.new_zeros(a.shape[0], 1), none, none, None)
+    return _runs_of(a, t.to(a.dtype), memo, keys, keep, checksum)
 
 
-__all__ = ["RunMemo", "SignRuns", "sorted_l1", "sorted_l1_slopes", "supported"]
+__all__ = ["RunMemo", "SignRuns", "row_slopes", "sign_runs", "sorted_l1", "supported"]
