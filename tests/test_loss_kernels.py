@@ -174,7 +174,7 @@ def test_sorted_l1_equals_topk_with_its_gradient(runs, n):
     a, t = _l1_case(5, 200, n, runs, seed=n)
     starts = l1._sign_runs(a.topk(n, 1).values, t, a, a.sum(1)).starts.shape[1]
     if n == 200:  # rows with more run starts than the memo keeps, and fewer
-        assert (starts <= l1._PASSES_UP_TO) == (runs == "few")
+        assert (starts <= l1._MEMO_STARTS) == (runs == "few")
     mine = a.clone().requires_grad_(True)
     value = l1.sorted_l1(mine, t)
     value.sum().backward()

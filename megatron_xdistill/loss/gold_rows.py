@@ -131,9 +131,9 @@ def forward_rows(x: torch.Tensor, lz: torch.Tensor, counts: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uncommon chunk means [R, |U|], their fp64 row sums, forward KL on the common columns
     [R] (fp64 sums, in x's dtype), student / teacher argmax agreement on them [R] bool) of
-    chunk rows with summed
-    logits ``x`` [R, V], log-partitions ``lz`` and ``counts`` positions; ``b_common`` [R, |C|]
-    the teacher's log-probs on the common columns (pair order of ``col_common``)."""
+    chunk rows with summed logits ``x`` [R, V], log-partitions ``lz`` and ``counts``
+    positions; ``b_common`` [R, |C|] the teacher's log-probs on the common columns (pair order
+    of ``col_common``)."""
     rows = x.shape[0]
     b = b_common.to(x.dtype).contiguous()
     p = torch.exp(b)
@@ -161,8 +161,7 @@ def gradient_rows(a_unc: torch.Tensor, runs: SignRuns, col_common: torch.Tensor,
     use_torch_threads()
     _gradient_rows(*_arrays(a, torch.exp(a), col_common, col_uncommon,
                             torch.exp(b_common.to(dt)), scale.to(dt)),
-                   *_arrays(*(t.to(dt) for t in (runs.threshold, runs.starts, runs.signs,
-                                                 runs.tie_values, runs.tie_signs))),
+                   *runs.lookup(dt),
                    g.numpy(), g_lz.numpy(),
                    scratch("gold_rows", a.numel(), a.device, dt).view(a.shape).numpy())
     return g, g_lz

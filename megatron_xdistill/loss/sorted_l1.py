@@ -35,7 +35,7 @@ from .numba_cpu import numba_takes, use_torch_threads
 from .sorted_top import top_values
 
 #: Run starts a row that the memo keeps (a median of 2 on a real pair, at most 37 seen).
-_PASSES_UP_TO = 12
+_MEMO_STARTS = 12
 
 
 @dataclass
@@ -51,6 +51,12 @@ class SignRuns:
     tie_signs: torch.Tensor  # [r, S] that mean sign
     checksum: torch.Tensor   # [r] fp64 sum of the row values they were found on
 
+    def lookup(self, dtype: torch.dtype) -> list[np.ndarray]:
+        """What :func:`row_slopes` reads (threshold, starts, signs, tie values and signs), as
+        contiguous NumPy arrays of ``dtype``."""
+        return [t.to(dtype).contiguous().numpy() for t in (
+            self.threshold, self.starts, self.signs, self.tie_values, self.tie_signs)]
+
 
 class RunMemo:
     """The forward's sign runs of every row (by key, the caller's row ids in ``[0, num_keys)``),
@@ -61,7 +67,7 @@ class RunMemo:
 
     # columns: checksum (NaN: nothing kept), value, threshold, the number of run starts and
     # of tied values, then the run starts, run signs, tied values and their signs (_blocks)
-    def __init__(self, num_keys: int, capacity: int = _PASSES_UP_TO, ties: int = 8) -> None:
+    def __init__(self, num_keys: int, capacity: int = _MEMO_STARTS, ties: int = 8) -> None:
         self.capacity, self.ties = capacity, ties
         width = 5 + capacity + (capacity + 1) + 2 * ties
         self.table = torch.zeros(num_keys, width, dtype=torch.float64)
@@ -243,8 +249,7 @@ def _slopes(a: torch.Tensor, runs: SignRuns) -> torch.Tensor:
     a = a.detach().contiguous()
     out = torch.empty_like(a)
     use_torch_threads()
-    _slope_rows(a.numpy(), torch.exp(a).numpy(), *(t.to(a.dtype).contiguous().numpy() for t in (
-        runs.threshold, runs.starts, runs.signs, runs.tie_values, runs.tie_signs)), out.numpy())
+    _slope_rows(a.numpy(), torch.exp(a).numpy(), *runs.lookup(a.dtype), out.numpy())
     return out
 
 
