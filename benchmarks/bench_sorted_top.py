@@ -6,7 +6,7 @@ tokens (H200 profile, 2026-11-26). This times the ways to get those values, forw
 forward + backward (the gradient goes back to the columns they came from), so the next device
 session can pick the fastest from one call. On CPU, 256 rows, 1 thread (AMD EPYC, where NumPy's
 sort is not SIMD; 2026-11-28), forward / forward + backward: topk 91 / 98 ms, sort 221 / 228,
-NumPy's partition + sort (the CPU path until then) 73 / 214, the radix kernel 15 / 27.
+NumPy's partition + sort (the CPU path until then) 73 / 214, the radix kernel 16 / 26 (e42a1b4).
 
   topk          x.topk(n, sorted=True).values (what runs on an accelerator today)
   sort          x.sort(descending=True).values[:, :n] (a full segmented sort)
