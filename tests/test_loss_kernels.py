@@ -267,21 +267,115 @@ def test_gold_rows_equal_torchs_kl_and_its_autograd(n):
     torch.testing.assert_close(got["lz"], leaves["lz"].grad, rtol=1e-12, atol=1e-15)
 
 
-def test_gold_rows_spread_equals_the_gather_it_replaces():
-    """out[i] * c_i + alpha g[row(i)], positions without a row (-1 or the dummy R) scaled only."""
-    from megatron_xdistill.loss.gold_rows import spread_rows_
+def test_fast_exp_is_float32_exact_to_a_few_ulps_and_keeps_the_special_values():
+    """cpu_rows.fast_exp against float64 exp over the float32 range: relative error under 5e-7
+    (torch's own expf is ~1e-7); exp(-inf) = 0, 0 below the normal range, inf above 88.3, NaN
+    stays NaN; float64 rows take math.exp."""
+    from numba import njit
+
+    from megatron_xdistill.loss.cpu_rows import FASTMATH, fast_exp
+
+    @njit(fastmath=FASTMATH)
+    def exp_all(a, out):
+        for i in range(a.shape[0]):
+            out[i] = fast_exp(a[i])
+
+    grid = torch.linspace(-100.0, 88.0, 400_001, dtype=torch.float64)
+    special = torch.tensor([-math.inf, math.inf, math.nan, 0.0, -0.0, -87.5, 88.5, 1e-8])
+    for dtype, rtol in ((torch.float32, 5e-7), (torch.float64, 1e-15)):
+        a = torch.cat([grid, special.double()]).to(dtype)
+        out = torch.empty_like(a)
+        exp_all(a.numpy(), out.numpy())
+        want = torch.exp(a.double())
+        normal = (a <= 88.3) & (want >= torch.finfo(torch.float32).tiny)
+        rel = ((out.double() - want) / want)[normal].abs().max()
+        assert float(rel) < rtol, (dtype, float(rel))
+        tail = out[-special.numel():]
+        assert tail[0] == 0 and tail[1] == math.inf and math.isnan(tail[2])
+        assert tail[3] == 1 and tail[4] == 1
+        if dtype == torch.float32:
+            assert tail[5] == 0 and tail[6] == math.inf  # outside the normal float32 range
+
+
+def test_fast_log_is_float32_exact_to_a_few_ulps_and_keeps_the_special_values():
+    """cpu_rows.fast_log against float64 log over the normal float32 range (every binade, both
+    halves of the mantissa): absolute error under 2e-7 near 1 and relative under 3e-7
+    elsewhere; log 0 = -inf, log of a negative number NaN, log inf = inf, NaN stays NaN."""
+    from numba import njit
+
+    from megatron_xdistill.loss.cpu_rows import FASTMATH, fast_log
+
+    @njit(fastmath=FASTMATH)
+    def log_all(a, out):
+        for i in range(a.shape[0]):
+            out[i] = fast_log(a[i])
+
+    grid = torch.cat([torch.logspace(-37.9, 38.4, 400_001, dtype=torch.float64),
+                      torch.linspace(0.5, 2.0, 100_001, dtype=torch.float64)])
+    special = torch.tensor([0.0, -1.0, math.inf, math.nan, 1.0, -math.inf])
+    for dtype in (torch.float32, torch.float64):
+        a = torch.cat([grid, special.double()]).to(dtype)
+        out = torch.empty_like(a)
+        log_all(a.numpy(), out.numpy())
+        want = torch.log(a.double())
+        err = (out.double() - want)[: grid.numel()].abs()
+        bound = torch.maximum(want[: grid.numel()].abs() * 3e-7, torch.full_like(err, 2e-7))
+        if dtype == torch.float64:
+            bound = want[: grid.numel()].abs() * 1e-15 + 1e-300
+        assert bool((err <= bound).all()), (dtype, float((err / bound).max()))
+        tail = out[-special.numel():]
+        assert tail[0] == -math.inf and math.isnan(tail[1]) and tail[2] == math.inf
+        assert math.isnan(tail[3]) and tail[4] == 0 and math.isnan(tail[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_row_logsumexp_equals_torchs_in_float64(dtype):
+    """Rows wide and narrow, one all -inf (-> -inf), one with a NaN (-> NaN), some -inf
+    columns; no rows and no columns."""
+    from megatron_xdistill.loss.cpu_rows import row_logsumexp
 
     gen = torch.Generator().manual_seed(0)
-    for dtype in (torch.float32, torch.float64):
-        out = torch.randn(7, 33, generator=gen, dtype=dtype)
-        c = torch.randn(7, generator=gen, dtype=dtype)
-        g = torch.randn(3, 33, generator=gen, dtype=dtype)
-        seg = torch.tensor([0, 2, -1, 1, 3, 0, 2])
-        want = out * c[:, None] + 0.7 * torch.cat([g, g.new_zeros(1, 33)])[seg.clamp_max(3)]
-        want[2] = out[2] * c[2]
-        spread_rows_(out, c, seg, g, 0.7)
-        torch.testing.assert_close(out, want, rtol=1e-6 if dtype == torch.float32 else 1e-14,
-                                   atol=1e-6 if dtype == torch.float32 else 1e-14)
+    for width in (1, 17, 5000):
+        x = (torch.randn(9, width, generator=gen, dtype=torch.float64) * 4).to(dtype)
+        x[1] = -math.inf
+        x[2, 0] = math.nan
+        x[3, : width // 2] = -math.inf
+        got = row_logsumexp(x)
+        want = torch.logsumexp(x.double(), 1)
+        assert got[1] == -math.inf and math.isnan(got[2])
+        keep = torch.isfinite(want)
+        torch.testing.assert_close(got.double()[keep], want[keep],
+                                   rtol=1e-6 if dtype == torch.float32 else 1e-14, atol=0)
+    assert row_logsumexp(torch.empty(0, 5, dtype=dtype)).shape == (0,)
+    assert bool((row_logsumexp(torch.empty(3, 0, dtype=dtype)) == -math.inf).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("alias", [False, True])
+def test_exp_spread_writes_softmax_times_c_plus_the_rows_gradient(dtype, alias):
+    """exp(x - lz) c + alpha g[row] against torch (rows -1 or R: no g term; no g at all);
+    ``out`` may be ``x`` itself; strided rows (a view of wider logits) are taken."""
+    from megatron_xdistill.loss.cpu_rows import exp_spread_
+
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(7, 40, generator=gen, dtype=dtype) * 3
+    x = wide[:, :33]
+    lz = torch.logsumexp(x, 1)
+    c = torch.randn(7, generator=gen, dtype=dtype)
+    g = torch.randn(3, 33, generator=gen, dtype=dtype)
+    seg = torch.tensor([0, 2, -1, 1, 3, 0, 2])
+    soft = torch.exp(x - lz[:, None]) * c[:, None]
+    want = soft + 0.7 * torch.cat([g, g.new_zeros(1, 33)])[seg.clamp(0, 3).masked_fill(seg < 0, 3)]
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-14,
+                                                                       "atol": 1e-14}
+    out = x.clone() if alias else torch.empty_like(x)
+    exp_spread_(out, out if alias else x, lz, c, seg, g, 0.7)
+    torch.testing.assert_close(out, want, **tol)
+    plain = torch.empty_like(x)
+    exp_spread_(plain, x, lz, c)
+    torch.testing.assert_close(plain, soft, **tol)
+    with pytest.raises(ValueError, match="unit stride"):
+        exp_spread_(plain, x.t(), lz, c)
 
 
 def test_sorted_l1_memo_keeps_no_row_with_more_runs_than_it_holds():

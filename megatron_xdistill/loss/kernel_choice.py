@@ -11,6 +11,7 @@ from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group
 from .common import GOLD_RULES
 from .kernels import ColumnsKernel, DenseKernel, GoldKernel
+from .numba_cpu import numba_takes
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 
@@ -19,6 +20,12 @@ class NoKernel:
     """CE only: no chunk rows."""
 
     per_block = False
+
+    @staticmethod
+    def needs_softmax(like: torch.Tensor) -> bool:
+        """CE reads the log-partitions and the label's logit: on CPU no softmax buffer
+        (:mod:`.cpu_rows`)."""
+        return not numba_takes(like)
 
 
 def kernel_class_for(mode: str, form: str) -> type:

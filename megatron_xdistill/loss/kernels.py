@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import exact_rows, gold_rows, row_softmax, sorted_l1
+from . import cpu_rows, exact_rows, gold_rows, row_softmax, sorted_l1
 from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
@@ -54,6 +54,8 @@ class BlockData:
     unit_factor: bool = False  # factor is all ones (one TP rank): kernels may skip it
     # Fused mode (``row_softmax``): no dense softmax; x holds the logits (any dtype, rows
     # possibly strided), probabilities come from x * scale and this shard's log-partitions.
+    # CPU kernels that read only the logits (``needs_softmax`` False): probs_local None, x the
+    # logits / T, the shard's softmax exp(x - lz_local).
     lz_local: torch.Tensor | None = None  # [n]
     scale: float = 1.0
 
@@ -404,6 +406,13 @@ class GoldKernel:
         self.num_uncommon = num_uncommon
         self.runs: sorted_l1.RunMemo | None = None  # the forward's sign runs (CPU, TP 1)
 
+    @staticmethod
+    def needs_softmax(like: torch.Tensor) -> bool:
+        """Whether the blocks need their softmax in a buffer. The raw sums read the logits
+        and log-partitions only, so on CPU none: the backward writes the gradient from the
+        logits (:func:`.cpu_rows.exp_spread_`)."""
+        return not numba_takes(like)
+
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
         return {"x": like.new_zeros(n, self.num_real), "lz": like.new_zeros(n)}
 
@@ -495,8 +504,8 @@ class GoldKernel:
         # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
         g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
         scale = blk.factor * (inv_t * _with_zero_row(g_lz)[seg] + coef)
-        if numba_takes(out) and out.is_contiguous():  # one pass, no [positions, V] gather
-            gold_rows.spread_rows_(out, scale, seg, grad["x"], inv_t)
+        if blk.probs_local is None:  # out from the logits: exp(x - lz_local) scale + g / T
+            cpu_rows.exp_spread_(out, blk.x, blk.lz_local, scale, seg, grad["x"], inv_t)
             return
         out.mul_(scale[:, None])
         out.add_(_with_zero_row(grad["x"])[seg], alpha=inv_t)

@@ -5,14 +5,16 @@ Forward: per block of positions, the log-partition (one max and one sum all-redu
 latter also carrying CE's target logit), then the kernel's per-chunk raw sums; chunks held whole
 by the rank are finished from their TP-reduced sums, chunks split over CP are summed over CP
 first. Backward recomputes each block's softmax from the saved log-partitions and writes the
-gradient block by block.
+gradient block by block. Kernels that read only the logits and log-partitions (gold, CE alone)
+take no softmax buffer on CPU: log-partitions alone in the forward, the gradient written from
+the logits in the backward (:mod:`.cpu_rows`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import row_softmax
+from . import cpu_rows, row_softmax
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_gather, all_reduce, group_rank, group_size
 from .fused_grad import FusedGradWriter
@@ -33,6 +35,10 @@ class StudentLossPlan:
         self.rows, self.kernel = rows, kernel
         # Dense passes through ``row_softmax``'s fused kernels: no [block, V] softmax buffer.
         self.fused = fused
+        # A kernel that reads only the logits and log-partitions on CPU (gold, CE alone): the
+        # forward takes log-partitions alone and the backward writes the gradient from the
+        # logits (``cpu_rows``), no softmax buffer. Set per call from the logits (forward).
+        self.logits_only = False
         self.num_real, self.vocab_start = num_real, vocab_start
         self.temp = float(temperature)
         self.labels = labels
@@ -96,7 +102,8 @@ class StudentLossPlan:
                          rows.block_seg[lo:hi],
                          blk.row_end - blk.row_start, blk.row_start, rows.block_seg_dummy[lo:hi],
                          extra, index, unit_factor=self.single,
-                         lz_local=lz_local if self.fused else None, scale=1.0 / self.temp)
+                         lz_local=lz_local if self.fused or probs_local is None else None,
+                         scale=1.0 / self.temp)
 
     # ----------------------------------------------------------------- forward
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,6 +112,9 @@ class StudentLossPlan:
         n_pos = logits2d.shape[0]
         dev = logits.device
         self.dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        needs_softmax = getattr(kernel, "needs_softmax", None)
+        self.logits_only = (not self.fused and needs_softmax is not None
+                            and not needs_softmax(logits2d.new_empty(0, dtype=self.dtype)))
         # The tail bucket (chunk top-k): W's row sums on the real local rows, in the compute
         # dtype for the forward here and the kernel's backward.
         self.tail = getattr(kernel, "row_sums", None)
@@ -126,6 +136,9 @@ class StudentLossPlan:
             if self.fused:  # the block's logits as they are; no softmax buffer
                 x, probs = logits2d[blk.start: blk.end, : self.num_real], None
                 lz_local = self._partition_fused(x, blk.start, blk.end)
+            elif self.logits_only:  # logits / T and their log-partitions; no softmax
+                x, probs = self._x(logits2d, blk.start, blk.end), None
+                lz_local = self._partition_logits(x, logits2d, blk.start, blk.end)
             else:
                 x = self._x(logits2d, blk.start, blk.end)
                 probs = self._workspace(blk.end - blk.start, x, "p")
@@ -179,6 +192,18 @@ class StudentLossPlan:
             lz1.copy_(self._local_softmax(z, self._workspace(end - start, x, "p1")))
         mass = None if self.extra is None else self.tail.mass(probs)
         self._reduce_partition(lz_local, lz1, mass, start, end)
+        return lz_local
+
+    def _partition_logits(self, x, logits2d, start: int, end: int) -> torch.Tensor:
+        """:meth:`_partition` without the softmax (``logits_only``): the log-partitions by
+        :func:`cpu_rows.row_logsumexp`."""
+        lz_local = self.lz_local[start:end]
+        lz_local.copy_(cpu_rows.row_logsumexp(x))
+        lz1 = None
+        if self._ce_extra:
+            lz1 = self.lz1_local[start:end]
+            lz1.copy_(cpu_rows.row_logsumexp(self._x(logits2d, start, end, unscaled=True)))
+        self._reduce_partition(lz_local, lz1, None, start, end)
         return lz_local
 
     def _partition_fused(self, z: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -345,9 +370,27 @@ class StudentLossPlan:
     def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label
                         ) -> None:
         """A block's gradient into ``dx`` (contiguous, compute dtype): its softmax, then the
-        kernel's and CE's terms in place."""
+        kernel's and CE's terms in place (``logits_only``: written from the logits)."""
         lz_local = self.lz_local[blk.start: blk.end]
         x = self._x(logits2d, blk.start, blk.end)
+        if self.logits_only:  # the kernel writes dx from the logits (no softmax pass here)
+            if blk.row_end > blk.row_start:
+                data = self._block(x, None, lz_local, blk, index)
+                self.kernel.backward_block(data, self._block_grad(data, *grads, blk),
+                                           1.0 / self.temp, coef, dx)
+            else:
+                cpu_rows.exp_spread_(dx, x, lz_local,
+                                     coef * self._factor(lz_local, blk.start, blk.end))
+        else:
+            self._softmax_backward(dx, x, lz_local, blk, index, coef, grads)
+        if self._ce_extra:
+            self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
+        if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
+            dx.scatter_add_(1, self.label_col[blk.start: blk.end], ce_label[blk.start: blk.end])
+
+    def _softmax_backward(self, dx, x, lz_local, blk, index: int, coef, grads) -> None:
+        """The kernel's part of a block's gradient from the block's softmax, written into
+        ``dx`` first."""
         torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
         if blk.row_end > blk.row_start:
             data = self._block(x, dx, lz_local, blk, index)
@@ -355,10 +398,6 @@ class StudentLossPlan:
                                        1.0 / self.temp, coef, dx)
         else:
             dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
-        if self._ce_extra:
-            self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
-        if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
-            dx.scatter_add_(1, self.label_col[blk.start: blk.end], ce_label[blk.start: blk.end])
 
     def _block_backward_fused(self, dx, logits2d, blk, index: int, coef, grads, ce_scale,
                               ce_label) -> None:
