@@ -86,6 +86,20 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   Extra memory 13.9% -> 12.3% of the logits (V_s 128,256: 10.1% -> 6.9%). What is left: the
   softmax twice (as CE; ~20%), the sort (~12%), the chunk rows' sums of the logits (forward and
   recompute), and torch's exp of the teacher's and the student's chunk values.
+  Then no softmax buffer and vectorised exps (``loss/cpu_rows.py``): the forward's
+  log-partitions by one exp-and-sum pass, the backward's gradient written from the logits in
+  one pass (was a softmax, then a pass for the rows' part), the teacher's and the chunk means'
+  exps inside gold_rows' passes (a float32 polynomial LLVM vectorises: 0.33 ns an element,
+  torch's exp 0.82, Numba's math.exp a scalar libm call). A/B of 55972ec (before) and c58ffae
+  (after), in one process (``parallel_kd_loss`` forward + backward, 2nd and 3rd call, 1
+  thread, 4,096 tokens, V_s 49,152), runs alternated three times: before 2.12-2.23 s, after
+  1.74-1.85 s (one 2.06). In this script's separate processes the same pair measured 2.41x /
+  2.85x after against 2.49x / 2.79x before (runs alternated; this machine's speed drifts
+  10-15% between runs). A sixth of what is left is the page faults of the fresh
+  [positions, V] gradient: a softmax written into 4,096 x 49,152 fp32 takes 0.40 s on fresh
+  pages, 0.13 s on touched ones. With THP_MEM_ALLOC_ENABLE=1 (torch's huge pages for large CPU
+  buffers) it takes 0.19 s, but Megatron's CE gains as much (0.79 -> 0.56-0.61 s), so the
+  ratio does not.
 
 The exact form with its per-row teacher work in few vectorised passes (``loss/exact_rows.py``:
 the teacher-only terms by one torch exp and one Numba pass per few rows, was seven torch passes;
@@ -111,7 +125,13 @@ backward, CPU-time ratio to CE (wall at 2 threads):
    4,096  chunk_topk   0.68 s, 0.85x       0.68 s, 0.83x
 
   Extra memory 22-26% of the logits at V_s 49,152 (was 24-35%; real W at 4,096 tokens 18%,
-  was 27%; Numba's runtime ~0.1 GiB counts here). At 2 threads a quarter of the CPU time is torch's OpenMP threads spinning after each
+  was 27%; Numba's runtime ~0.1 GiB counts here). Then the teacher's exp and the KL's log
+  inside the Numba passes (``loss/cpu_rows.py``: vectorised float32 polynomials), the payload
+  rows read where they lie: teacher terms 0.98 -> 0.41 s, the KL 1.10 -> 0.59 s, its gradient
+  0.13 -> 0.07 s per 20 blocks; A/B of 55972ec (before) and c58ffae (after), runs
+  alternated, 1 thread, V_s 49,152: before 6.29-6.42 s (7.6-8.1x), after 5.02-5.06 s (6.2x);
+  extra memory 22% -> 16-18% of the logits. The projection is now 60% of what is left (W's
+  nonzeros read per eight rows, forward and in the recomputing backward, and transposed). At 2 threads a quarter of the CPU time is torch's OpenMP threads spinning after each
   torch op while Numba's threads run: with OMP_WAIT_POLICY=PASSIVE the same run takes 4.16 s
   wall, 7.1x (not set by the library: it is the process's choice).
 

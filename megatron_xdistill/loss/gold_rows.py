@@ -50,10 +50,10 @@ def _means_rows(x, lz, counts, cols, out, checksum):  # pragma: no cover - numba
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=_FAST)
-def _forward_rows(x, lz, counts, col_common, col_uncommon, b, a_unc, checksum, kl, agree,
-                  work):  # pragma: no cover - numba
+def _forward_rows(x, lz, counts, col_common, col_uncommon, b, b_keys, a_unc, checksum, kl,
+                  agree, work):  # pragma: no cover - numba
     for r in prange(x.shape[0]):
-        xr, z, c, br, a = x[r], lz[r], counts[r], b[r], work[r]
+        xr, z, c, br, a = x[r], lz[r], counts[r], b[b_keys[r]], work[r]
         checksum[r] = _means_row(xr, z, c, col_uncommon, a_unc[r])
         _means_row(xr, z, c, col_common, a)
         total = 0.0
@@ -64,10 +64,12 @@ def _forward_rows(x, lz, counts, col_common, col_uncommon, b, a_unc, checksum, k
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=_FAST)
-def _gradient_rows(a_unc, col_common, col_uncommon, b, scale, threshold, starts, signs,
-                   tie_values, tie_signs, g, g_lz, work, e_work):  # pragma: no cover - numba
+def _gradient_rows(a_unc, col_common, col_uncommon, b, b_keys, scale, threshold, starts,
+                   signs, tie_values, tie_signs, g, g_lz, work, e_work
+                   ):  # pragma: no cover - numba
     for r in prange(a_unc.shape[0]):
-        w, gr, br, ar, slopes, e = scale[r], g[r], b[r], a_unc[r], work[r], e_work[r]
+        w, gr, br, ar = scale[r], g[r], b[b_keys[r]], a_unc[r]
+        slopes, e = work[r], e_work[r]
         for j in range(ar.shape[0]):
             e[j] = fast_exp(ar[j])
         row_slopes(ar, e, r, threshold, starts, signs, tie_values, tie_signs, slopes)
@@ -101,22 +103,33 @@ def uncommon_means(x: torch.Tensor, lz: torch.Tensor, counts: torch.Tensor,
     return out, checksum
 
 
+def _teacher_rows(b_common: torch.Tensor, b_keys: torch.Tensor | None, rows: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, row of the table for each chunk row): ``b_common`` itself with ``b_keys`` when
+    given (payload rows read where they lie), else its rows in order."""
+    if b_keys is None:
+        return b_common.to(dtype).contiguous(), torch.arange(rows)
+    return b_common, b_keys.contiguous()
+
+
 def forward_rows(x: torch.Tensor, lz: torch.Tensor, counts: torch.Tensor,
-                 col_common: torch.Tensor, col_uncommon: torch.Tensor, b_common: torch.Tensor
+                 col_common: torch.Tensor, col_uncommon: torch.Tensor, b_common: torch.Tensor,
+                 b_keys: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uncommon chunk means [R, |U|], their fp64 row sums, forward KL on the common columns
     [R] (fp64 sums, in x's dtype), student / teacher argmax agreement on them [R] bool) of
     chunk rows with summed logits ``x`` [R, V], log-partitions ``lz`` and ``counts``
     positions; ``b_common`` [R, |C|] the teacher's log-probs on the common columns (pair order
-    of ``col_common``)."""
+    of ``col_common``), or with ``b_keys`` [R] a table of them (contiguous, x's dtype) and each
+    chunk row's row of it."""
     rows = x.shape[0]
-    b = b_common.to(x.dtype).contiguous()
+    b, b_keys = _teacher_rows(b_common, b_keys, rows, x.dtype)
     a_unc = x.new_empty(rows, col_uncommon.numel())
     checksum, kl = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float64)
     agree = torch.empty(rows, dtype=torch.bool)
     use_torch_threads()
     work = scratch("gold_rows", rows * col_common.numel(), x.device, x.dtype)
-    _forward_rows(*_arrays(x, lz, counts.to(x.dtype), col_common, col_uncommon, b),
+    _forward_rows(*_arrays(x, lz, counts.to(x.dtype), col_common, col_uncommon, b, b_keys),
                   a_unc.numpy(), checksum.numpy(), kl.numpy(), agree.numpy(),
                   work.view(rows, col_common.numel()).numpy())
     return a_unc, checksum, kl.to(x.dtype), agree
@@ -124,17 +137,20 @@ def forward_rows(x: torch.Tensor, lz: torch.Tensor, counts: torch.Tensor,
 
 def gradient_rows(a_unc: torch.Tensor, runs: SignRuns, col_common: torch.Tensor,
                   col_uncommon: torch.Tensor, b_common: torch.Tensor, scale: torch.Tensor,
-                  num_columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_columns: int, b_keys: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient on the rows' summed logits [R, ``num_columns``], on their log-partitions [R])
     of ``sum_r scale_r count_r KL_r`` (``scale`` = weight / count): see the module docstring.
-    ``runs``: the L1's sign runs of ``a_unc`` (the uncommon chunk means)."""
+    ``runs``: the L1's sign runs of ``a_unc`` (the uncommon chunk means); ``b_common`` /
+    ``b_keys`` as :func:`forward_rows`'."""
     dt = a_unc.dtype
+    b, b_keys = _teacher_rows(b_common, b_keys, a_unc.shape[0], dt)
     a = a_unc.detach().contiguous()
     g = a.new_empty(a.shape[0], num_columns)
     g_lz = a.new_empty(a.shape[0])
     width = max(a.shape[1], col_common.numel())  # a row's exp(a), then its teacher's p
     use_torch_threads()
-    _gradient_rows(*_arrays(a, col_common, col_uncommon, b_common.to(dt), scale.to(dt)),
+    _gradient_rows(*_arrays(a, col_common, col_uncommon, b, b_keys, scale.to(dt)),
                    *runs.lookup(dt),
                    g.numpy(), g_lz.numpy(),
                    scratch("gold_rows", a.numel(), a.device, dt).view(a.shape).numpy(),

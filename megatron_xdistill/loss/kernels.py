@@ -80,6 +80,16 @@ def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return payload_part[torch.div(keys, chunks, rounding_mode="floor"), keys % chunks]
 
 
+def _row_table(payload_part: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(table, keys) for kernels that read payload rows ``keys`` where they lie: the part as a
+    [B * C, ...] view when it is one contiguous table of ``dtype``; else its rows gathered
+    (and converted) and None (the rows in order)."""
+    if payload_part.is_contiguous() and payload_part.dtype == dtype:
+        return payload_part.reshape(-1, *payload_part.shape[2:]), keys
+    return _rows_of(payload_part, keys).to(dtype), None
+
+
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(1, *t.shape[1:])], dim=0)
 
@@ -451,13 +461,14 @@ class GoldKernel:
         rows = x.shape[0]
         n = self.num_uncommon
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        b_common = _rows_of(self.payload.logprobs, keys)
         if self._by_rows(x) and not any(v.requires_grad for v in raw.values()):
             a_unc, checksum, kl, agree = gold_rows.forward_rows(
-                x, raw["lz"], counts, self.col_common, self.col_uncommon, b_common)
+                x, raw["lz"], counts, self.col_common, self.col_uncommon,
+                *_row_table(self.payload.logprobs, keys, x.dtype))
             kl = kl + sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum,
                                           keep=True).value
             return kl, (agree if top1 else None)
+        b_common = _rows_of(self.payload.logprobs, keys)
         a_common = self._means(raw, counts, self.col_common)
         if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
             a_common = a_common.new_zeros(rows, self.num_common).index_copy(
@@ -493,9 +504,9 @@ class GoldKernel:
         a_unc, checksum = gold_rows.uncommon_means(x, raw["lz"], counts, self.col_uncommon)
         t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
         runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum)
+        table, b_keys = _row_table(self.payload.logprobs, keys, x.dtype)
         g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
-                                          _rows_of(self.payload.logprobs, keys), scale,
-                                          x.shape[1])
+                                          table, scale, x.shape[1], b_keys)
         return {"x": g, "lz": g_lz}
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
