@@ -243,12 +243,29 @@ def _exp_spread(out, x, lz, coef, seg, g, alpha):  # pragma: no cover - numba
                 o[v] = fast_exp(xi[v] - z) * c
 
 
+@njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
+def _exp_spread_over(x, lz, coef, seg, g, alpha):  # pragma: no cover - numba
+    """_exp_spread with ``out`` = ``x``: one array, so LLVM vectorises the rows without the
+    runtime overlap check that sends two aliased arrays down its scalar loop."""
+    rows = g.shape[0]
+    for i in prange(x.shape[0]):
+        xi, z, c, r = x[i], lz[i], coef[i], seg[i]
+        if 0 <= r < rows:
+            gr = g[r]
+            for v in range(xi.shape[0]):
+                xi[v] = fast_exp(xi[v] - z) * c + alpha * gr[v]
+        else:
+            for v in range(xi.shape[0]):
+                xi[v] = fast_exp(xi[v] - z) * c
+
+
 def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torch.Tensor,
                 seg: torch.Tensor | None = None, g: torch.Tensor | None = None,
                 alpha: float = 0.0) -> None:
     """``out[i] = exp(x[i] - lz[i]) * coef[i] + alpha * g[seg[i]]`` in place (no ``g`` term
     where ``seg[i]`` is outside [0, R) or ``g`` is None). ``out``, ``x`` [n, V] CPU, same
-    float dtype, rows of unit stride (``out`` may be ``x``); ``g`` [R, V]."""
+    float dtype, rows of unit stride; ``out`` is ``x`` (the same view: written over) or does not
+    overlap it; ``g`` [R, V]."""
     if not (numba_takes(out) and x.dtype == out.dtype and out.stride(-1) == 1
             and x.stride(-1) == 1):
         raise ValueError("exp_spread_ takes CPU float32 / float64 rows of unit stride, "
@@ -257,11 +274,17 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
     if g is None:
         g = out.new_zeros(0, out.shape[1])
         seg = torch.full((out.shape[0],), -1, dtype=torch.int64)
+    same = (out.data_ptr() == x.data_ptr() and out.shape == x.shape
+            and out.stride() == x.stride())
+    # alpha in the rows' dtype: no float64 products
+    rest = (lz.detach().to(dt).contiguous().numpy(), coef.detach().to(dt).contiguous().numpy(),
+            seg.contiguous().numpy(), g.detach().to(dt).contiguous().numpy(),
+            out.detach().numpy().dtype.type(alpha))
     use_torch_threads()
-    _exp_spread(out.detach().numpy(), x.detach().numpy(),
-                lz.detach().to(dt).contiguous().numpy(), coef.detach().to(dt).contiguous().numpy(),
-                seg.contiguous().numpy(), g.detach().to(dt).contiguous().numpy(),
-                out.numpy().dtype.type(alpha))  # alpha in the rows' dtype: no float64 products
+    if same:
+        _exp_spread_over(out.detach().numpy(), *rest)
+    else:
+        _exp_spread(out.detach().numpy(), x.detach().numpy(), *rest)
 
 
 __all__ = ["FASTMATH", "exp_spread_", "fast_exp", "fast_log", "first_argmax", "row_logsumexp"]

@@ -88,6 +88,7 @@ def parallel_kd_loss(
     cp_group: Group = None,
     block_bytes: int | None = None,
     sample_weights: torch.Tensor | None = None,
+    grad_into_logits: bool = False,
 ) -> KDTerms:
     """Local KD (and optionally CE) sums of one microbatch; see the package docstring.
 
@@ -106,6 +107,10 @@ def parallel_kd_loss(
     1 reverse KL; :func:`~megatron_xdistill.loss.formulas.divergence`). ``sample_weights``
     [B]: each sample's chunks count that many times in the KD sum (reward weighting; the chunk
     count, the KD denominator, is unweighted).
+    ``grad_into_logits``: the backward writes the logits' gradient over ``student_logits``
+    (as Megatron's ``vocab_parallel_cross_entropy`` overwrites its logits), saving a
+    [B, T, V_local] buffer; only for logits nothing else uses after this loss (one call on
+    them; another autograd user that saved them raises at its backward).
     """
     if student_logits.dim() != 3:
         raise ValueError(f"student logits must be [B, T, V_local], got {tuple(student_logits.shape)}")
@@ -152,7 +157,8 @@ def parallel_kd_loss(
             kernel = SampleWeighted(kernel, sample_weights.to(dev), payload.spec.num_chunks)
     plan = StudentLossPlan(rows=rows, kernel=kernel or NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
-                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused)
+                 tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused,
+                 grad_into_logits=grad_into_logits)
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
     return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))

@@ -31,8 +31,13 @@ class StudentLossPlan:
 
     def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
                  temperature: float, labels: torch.Tensor | None, tp_group: Group,
-                 cp_group: Group, max_block: int, fused: bool = False) -> None:
+                 cp_group: Group, max_block: int, fused: bool = False,
+                 grad_into_logits: bool = False) -> None:
         self.rows, self.kernel = rows, kernel
+        # The backward writes the logits' gradient over the logits (Megatron's CE does the
+        # same): no [positions, V] gradient allocated. Not with the fused GPU passes (their
+        # whole-call block keeps its own buffer).
+        self.into_logits = grad_into_logits and not fused
         # Dense passes through ``row_softmax``'s fused kernels: no [block, V] softmax buffer.
         self.fused = fused
         # A kernel that reads only the logits and log-partitions on CPU (gold, CE alone): the
@@ -316,7 +321,11 @@ class StudentLossPlan:
         g_kd = (torch.zeros((), device=dev) if g_kd is None else g_kd).to(self.dtype)
         g_ce = (torch.zeros((), device=dev) if g_ce is None else g_ce).to(self.dtype)
         logits2d = logits.view(-1, logits.shape[-1])
-        grad_full = torch.empty_like(logits)
+        # In place, a block's gradient may overwrite its own logits directly only where
+        # nothing reads them afterwards (the logits-only path without CE's second softmax);
+        # elsewhere it goes through a block workspace. Blocks read only their own positions.
+        grad_full = logits.detach() if self.into_logits else torch.empty_like(logits)
+        alias_ok = not self.into_logits or (self.logits_only and not self._ce_extra)
         grad = grad_full.view(-1, logits.shape[-1])
         if self.num_real < grad.shape[1]:
             grad[:, self.num_real:] = 0
@@ -355,7 +364,8 @@ class StudentLossPlan:
             n = blk.end - blk.start
             # Fused: any dtype is written in place (low-precision gradients exactly; see
             # fused_grad); otherwise an fp32 buffer unless the gradient is one already.
-            direct = out.is_contiguous() and (self.fused or out.dtype == self.dtype)
+            direct = (out.is_contiguous() and (self.fused or out.dtype == self.dtype)
+                      and alias_ok)
             dx = out if direct else self._workspace(n, out, "dx")
             coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
             args = (dx, logits2d, blk, index, coef, (g_all, g_split, g_kd), ce_scale, ce_label)
@@ -365,6 +375,8 @@ class StudentLossPlan:
                 self._block_backward(*args)
             if not direct:
                 out.copy_(dx)
+        if self.into_logits:  # another autograd user of these logits now fails loudly
+            torch.autograd.graph.increment_version(logits)
         return grad_full
 
     def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label

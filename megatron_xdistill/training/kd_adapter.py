@@ -203,10 +203,13 @@ class KDObjective:
         return groups.cp_local(labels)
 
     def student_terms(self, logits: torch.Tensor, batch: dict,
-                      payload_rows: torch.Tensor | None = None, with_ce: bool = True):
+                      payload_rows: torch.Tensor | None = None, with_ce: bool = True,
+                      grad_into_logits: bool = False):
         """Local KD and CE sums of one student microbatch (student's last stage). Without
         ``payload_rows`` (the microbatch's flat teacher payloads, [b, numel]) CE alone.
-        ``with_ce=False``: KD only (another teacher's call takes the CE)."""
+        ``with_ce=False``: KD only (another teacher's call takes the CE).
+        ``grad_into_logits``: the backward overwrites the logits with their gradient (the
+        only loss call on them; see :func:`parallel_kd_loss`)."""
         groups = self.student
         width = logits.shape[1] * groups.layout.cp
         payload = pred = None
@@ -224,7 +227,7 @@ class KDObjective:
             common_student_ids=self.common_student,
             labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp,
-            sample_weights=batch.get("sample_weight"))
+            sample_weights=batch.get("sample_weight"), grad_into_logits=grad_into_logits)
 
 
 def first_token_heads_of(matrix, student_tokenizer: str, teacher_tokenizer: str,

@@ -165,10 +165,13 @@ class StudentSide:
         t0 = device_now(self.device)
         logits = clock.enter(logits)
         if micro.payloads is None:  # CE alone
-            terms = [kds[0].student_terms(logits, teacher_view(micro.batch, 0))]
+            terms = [kds[0].student_terms(logits, teacher_view(micro.batch, 0),
+                                          grad_into_logits=True)]
             weights, denominators = [0.0], [None]
-        else:
-            terms = [self._teacher_terms(kd, k, micro, logits) for k, kd in enumerate(kds)]
+        else:  # one loss call on the logits: its backward may write over them
+            alone = len(kds) == 1
+            terms = [self._teacher_terms(kd, k, micro, logits, alone)
+                     for k, kd in enumerate(kds)]
             weights = list(combination.weights)
         loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=cfg.ce_weight,
                                 dynamic_scaling=cfg.kd_dynamic_scaling,
@@ -184,7 +187,8 @@ class StudentSide:
         return scaled, torch.tensor(1, dtype=torch.int), {"report": torch.stack(report)}
 
     @staticmethod
-    def _teacher_terms(kd: KDObjective, k: int, micro: Microbatch, logits: torch.Tensor):
+    def _teacher_terms(kd: KDObjective, k: int, micro: Microbatch, logits: torch.Tensor,
+                       alone: bool = False):
         """Teacher k's KD sums of a micro-batch (teacher 0's call also takes the CE); under
         selection only over the samples it teaches, and no work when it teaches none."""
         view = teacher_view(micro.batch, k)
@@ -194,7 +198,8 @@ class StudentSide:
                 zero = logits.new_zeros((), dtype=torch.float32)
                 return KDTerms(zero, zero.detach(), zero.detach(), zero, zero.detach())
             view = dict(view, chunk_valid=view["chunk_valid"] & taught[:, None])
-        return kd.student_terms(logits, view, micro.payloads[k], with_ce=k == 0)
+        return kd.student_terms(logits, view, micro.payloads[k], with_ce=k == 0,
+                                grad_into_logits=alone)
 
     def train_step(self, samples: dict[int, dict], payloads: list[dict[int, torch.Tensor]] | None,
                    kds: list[KDObjective], combination: Combination,
