@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_xdistill.loss import parallel_kd_loss, reference
+from megatron_xdistill.loss import parallel_kd_loss
 from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
 from megatron_xdistill.loss.kernel_choice import NoKernel
 from megatron_xdistill.loss.kernels import GoldKernel
@@ -61,22 +61,6 @@ def _grad(case, mode: str, form: str, temperature: float, with_ce: bool, into: b
     return loss.item(), grad, grad.data_ptr() == logits.data_ptr()
 
 
-def _reference(case, mode: str, temperature: float, with_ce: bool, rounded_to=None):
-    z = case.real_student_logits
-    z = (z if rounded_to is None else z.to(rounded_to)).double().requires_grad_(True)
-    ref = torch.zeros((), dtype=torch.float64)
-    if with_ce:
-        mask = case.labels >= 0
-        ref = torch.nn.functional.cross_entropy(z[mask], case.labels[mask])
-    if mode != "ce":
-        ref = ref + reference.kd_loss(z, case.real_teacher_logits.double(),
-                                      case.student_chunk_id, case.teacher_chunk_id,
-                                      case.chunk_valid, case.chunk_exact,
-                                      case.projection.double(), mode, temperature)
-    ref.backward()
-    return ref.item(), z.grad
-
-
 EXACT = [("pkl", "full", 1.0, True), ("pkl", "full", 2.0, False), ("gold", "gold", 1.0, True),
          ("gold", "gold", 1.5, True), ("hkl", "gold", 1.0, False), ("ce", None, 1.0, True),
          ("ce", None, 2.0, True)]
@@ -94,7 +78,7 @@ def test_gradient_over_the_logits_matches_reference(monkeypatch, mode, form, tem
             monkeypatch.setattr(kernel, "needs_softmax", staticmethod(lambda like: True))
     case = _case()
     loss, grad, shared = _grad(case, mode, form, temperature, with_ce, into=True)
-    ref, ref_grad = _reference(case, mode, temperature, with_ce)
+    ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
     assert shared
     assert loss == pytest.approx(ref, rel=1e-5)
     scale = ref_grad.abs().max().item()
@@ -121,7 +105,7 @@ def test_bf16_logits_take_their_gradient_in_place():
     case = _case()
     loss, grad, shared = _grad(case, "gold", "gold", 1.0, True, into=True,
                                dtype=torch.bfloat16, padded=False)
-    ref, ref_grad = _reference(case, "gold", 1.0, True, rounded_to=torch.bfloat16)
+    ref, ref_grad = case.reference_loss("gold", 1.0, True, rounded_to=torch.bfloat16)
     assert shared and grad.dtype == torch.bfloat16
     assert loss == pytest.approx(ref, rel=1e-5)
     scale = ref_grad.abs().max().item()

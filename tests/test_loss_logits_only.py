@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_xdistill.loss import cpu_rows, parallel_kd_loss, reference
+from megatron_xdistill.loss import cpu_rows, parallel_kd_loss
 from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
 from megatron_xdistill.loss.kernel_choice import NoKernel
 from megatron_xdistill.loss.kernels import GoldKernel
@@ -65,21 +65,6 @@ def _loss_and_grad(case, mode, temperature, padded: bool, with_ce: bool):
     return loss.item(), logits.grad.double()
 
 
-def _reference(case, mode, temperature, with_ce):
-    z = case.real_student_logits.double().requires_grad_(True)
-    ref = torch.zeros((), dtype=torch.float64)
-    if with_ce:
-        mask = case.labels >= 0
-        ref = torch.nn.functional.cross_entropy(z[mask], case.labels[mask])
-    if mode != "ce":
-        ref = ref + reference.kd_loss(z, case.real_teacher_logits.double(),
-                                      case.student_chunk_id, case.teacher_chunk_id,
-                                      case.chunk_valid, case.chunk_exact,
-                                      case.projection.double(), mode, temperature)
-    ref.backward()
-    return ref.item(), z.grad
-
-
 CASES = [("gold", 1.0, True), ("gold", 1.5, True), ("hkl", 1.0, False), ("ce", 1.0, True),
          ("ce", 2.0, True)]
 
@@ -97,7 +82,7 @@ def test_cpu_logits_path_matches_reference(monkeypatch, spread_calls, mode, temp
     case = make_case(batch=3, ts=40, tt=32, vs=300, vt=250, vs_padded=320, vt_padded=256,
                      seed=4, realistic=True)
     loss, grad = _loss_and_grad(case, mode, temperature, padded, with_ce)
-    ref, ref_grad = _reference(case, mode, temperature, with_ce)
+    ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
     assert loss == pytest.approx(ref, rel=1e-5)
     scale = ref_grad.abs().max().item()
     torch.testing.assert_close(grad[..., : case.vs], ref_grad, rtol=1e-5, atol=1e-5 * scale)
@@ -125,13 +110,8 @@ def test_cpu_logits_path_on_bf16_logits():
         mode="gold", common_student_ids=common[0], labels=case.labels)
     loss = terms.kd_sum / terms.kd_count + terms.ce_sum / terms.ce_count
     loss.backward()
-    z = case.real_student_logits.bfloat16().double().requires_grad_(True)
-    mask = case.labels >= 0
-    ref = torch.nn.functional.cross_entropy(z[mask], case.labels[mask]) + reference.kd_loss(
-        z, case.real_teacher_logits.double(), case.student_chunk_id, case.teacher_chunk_id,
-        case.chunk_valid, case.chunk_exact, case.projection.double(), "gold")
-    ref.backward()
-    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    ref, ref_grad = case.reference_loss("gold", 1.0, True, rounded_to=torch.bfloat16)
+    assert loss.item() == pytest.approx(ref, rel=1e-5)
     assert logits.grad.dtype == torch.bfloat16
-    scale = z.grad.abs().max().item()
-    torch.testing.assert_close(logits.grad.double(), z.grad, rtol=8e-3, atol=8e-3 * scale)
+    scale = ref_grad.abs().max().item()
+    torch.testing.assert_close(logits.grad.double(), ref_grad, rtol=8e-3, atol=8e-3 * scale)

@@ -39,6 +39,27 @@ class SyntheticCase:
     def real_teacher_logits(self) -> torch.Tensor:
         return self.teacher_logits[..., : self.vt]
 
+    def reference_loss(self, mode: str, temperature: float = 1.0, with_ce: bool = False,
+                       rounded_to: torch.dtype | None = None) -> tuple[float, torch.Tensor]:
+        """(loss, gradient [B, T_s, V_s]) in float64 of the mean CE over the labels (with
+        ``with_ce``) plus ``reference.kd_loss`` (``mode`` "ce": CE alone), on the real student
+        logits (first rounded to ``rounded_to``, e.g. bf16, when given)."""
+        from megatron_xdistill.loss import reference
+
+        z = self.real_student_logits
+        z = (z if rounded_to is None else z.to(rounded_to)).double().requires_grad_(True)
+        loss = torch.zeros((), dtype=torch.float64)
+        if with_ce:
+            mask = self.labels >= 0
+            loss = torch.nn.functional.cross_entropy(z[mask], self.labels[mask])
+        if mode != "ce":
+            loss = loss + reference.kd_loss(
+                z, self.real_teacher_logits.double(), self.student_chunk_id,
+                self.teacher_chunk_id, self.chunk_valid, self.chunk_exact,
+                self.projection.double(), mode, temperature)
+        loss.backward()
+        return loss.item(), z.grad
+
     def projection_rows(self, padded_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """W as (indices, weights) [V_s_padded, k] (padded rows empty)."""
         idx, w = dense_to_rows(self.projection)
