@@ -17,12 +17,11 @@ import torch
 class ColumnEntries:
     """Nonzeros of W[local rows, columns[r, j]] for every (row r, slot j), grouped by row.
 
-    ``row``, ``slot``, ``student`` (local student column) and ``weight`` are [E]; the entries of
-    row r are ``offset[r] : offset[r] + length[r]``.
+    ``pair`` (r * k + j), ``student`` (local student column) and ``weight`` are [E]; the entries
+    of row r are ``offset[r] : offset[r] + length[r]``. 20 bytes an entry.
     """
 
-    row: torch.Tensor
-    slot: torch.Tensor
+    pair: torch.Tensor
     student: torch.Tensor
     weight: torch.Tensor
     offset: torch.Tensor
@@ -86,14 +85,13 @@ class ProjectionShard:
         total = int(length.sum())
         first = torch.cumsum(length, 0) - length
         pair = torch.repeat_interleave(torch.arange(r * k, device=flat.device), length)
-        pos = (torch.repeat_interleave(start - first, length)
-               + torch.arange(total, device=flat.device))
+        pos = torch.repeat_interleave(start - first, length, output_size=total)
+        pos += torch.arange(total, device=flat.device)
         student = self.csr_student.index_select(0, pos)
         weight = self.csr_value.index_select(0, pos)
         if num_real < self.num_rows and total:  # drop Megatron's padded rows
             keep = torch.nonzero(student < num_real, as_tuple=True)[0]
             pair, student, weight = (t.index_select(0, keep) for t in (pair, student, weight))
-        row = pair // max(k, 1)
-        row_len = torch.bincount(row, minlength=r)
-        return ColumnEntries(row=row, slot=pair % max(k, 1), student=student, weight=weight,
+        row_len = torch.bincount(torch.div(pair, max(k, 1), rounding_mode="floor"), minlength=r)
+        return ColumnEntries(pair=pair, student=student, weight=weight,
                              offset=torch.cumsum(row_len, 0) - row_len, length=row_len)
