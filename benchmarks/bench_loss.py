@@ -154,6 +154,7 @@ for gold, twice for the others; 16,384: twice):
    4,096  chunk_topk  0.76 s, 0.81-0.85x               0.97-0.98 s, 1.07-1.10x
   16,384  gold        7.32-7.50 s, 0.86x, 4.4-4.6%     15.40-17.85 s, 1.77-3.36x, 4.4-4.6%
   16,384  chunk_topk  2.97-3.22 s, 0.35-0.37x, 17-24%  9.45-12.05 s, 1.09-2.27x, 16-17%
+  16,384  full        34.4 s, 3.6x, 7.5% (one run)      -
 
   (Megatron's CE: 0.88-0.94 s at 4,096 tokens; at 16,384 8.46-8.70 s in the runs beside
   ``over the logits`` and 5.30-8.67 s beside ``--fresh-grad``: it allocates and faults in a
