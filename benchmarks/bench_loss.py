@@ -7,9 +7,10 @@ the KD child never imports Megatron; the CE child does (``mcore_compat.install()
 destroys in place (outside the timed region). Time: the minimum over ``--repeat`` runs after one
 warm-up, as wall and as process CPU time (the CPU figure is steadier on a shared machine). Memory:
 peak RSS of the timed runs (not the warm-up's) minus the RSS with all inputs allocated
-(before the warm-up: what it keeps counts), and net of the .grad buffer where one is created (the CE's; the KD loss writes its gradient over the logits, as training's one-teacher
-call does, unless ``--fresh-grad``). Chunks: ~0.7 per token, sizes 1-2; W has up to 4 entries per row
-(45% one-to-one rows), rows normalised to sum 1, 0.1% empty rows (like the builders' output).
+(before the warm-up: what it keeps counts), and net of the .grad buffer where one is created
+(the CE's; the KD loss writes its gradient over the logits, as training's teacher-0 call does,
+unless ``--fresh-grad``). Chunks: ~0.7 per token, sizes 1-2; W has up to 4 entries per row (45%
+one-to-one rows), rows normalised to sum 1, 0.1% empty rows (like the builders' output).
 
   python benchmarks/bench_loss.py [--tokens 4096] [--vs 49152 128256] [--forms topk chunk_topk]
 
@@ -137,9 +138,9 @@ backward, CPU-time ratio to CE (wall at 2 threads):
   wall, 7.1x (not set by the library: it is the process's choice).
 
 The gradient written over the logits (``parallel_kd_loss(..., grad_into_logits=True)``, what
-training's one-teacher call does and what Megatron's CE does to its logits): no fresh
+training's call of teacher 0 does and what Megatron's CE does to its logits): no fresh
 [positions, V] buffer to fault in page by page (``--fresh-grad`` measures the old way, still
-what each call of several teachers does). The blocks whose gradient nothing reads the logits
+what the calls of teachers 1, 2, ... do when there are several). The blocks whose gradient nothing reads the logits
 after (gold's and CE's logits-only path) write it over them directly, with a Numba pass on one
 array (``cpu_rows._exp_spread_over``: two aliased arrays send LLVM's vectorised loop to its
 scalar fallback, 0.89 s against 0.16 s a 4,096 x 49,152 pass); the others through a block
@@ -526,9 +527,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--with-ce", action="store_true", help="KD rows also fuse the CE")
     parser.add_argument("--fresh-grad", action="store_true",
                         help="the KD loss allocates the logits' gradient (grad_into_logits=False: "
-                             "what a second loss on the same logits needs, e.g. several "
-                             "teachers); default: written over the logits, as training's "
-                             "one-teacher call and Megatron's CE do")
+                             "what a later-made loss on the same logits needs, e.g. teacher 1 "
+                             "of several); default: written over the logits, as training's "
+                             "call of teacher 0 and Megatron's CE do")
     parser.add_argument("--projection", default=None, metavar="PATH",
                         help="a real W (.safetensors from the projection CLI) instead of the "
                              "synthetic one; its vocabularies set V_s and V_t (gold: its strict "

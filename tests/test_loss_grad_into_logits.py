@@ -135,3 +135,31 @@ def test_another_user_of_the_logits_raises(other):
     in_place = call(True).kd_sum
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (in_place + 1e-3 * earlier).backward()
+
+
+def test_first_of_two_calls_writes_over_the_logits():
+    """Two losses on the same logits (several teachers: gold, then H-KL with CE): the first
+    made, whose backward autograd runs last, writes over them (no buffer of its own; autograd
+    adds it into the other call's); the summed gradient is the sum of the float64 references."""
+    case = _case()
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    total = torch.zeros(())
+    for mode, into, with_ce in (("gold", True, False), ("hkl", False, True)):
+        payload, common = _payload(case, mode, "gold", 1.0)
+        terms = parallel_kd_loss(
+            logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
+            case.chunk_exact, case.projection_rows(logits.shape[-1]),
+            student_vocab_size=case.vs, mode=mode, common_student_ids=common,
+            labels=case.labels if with_ce else None, block_bytes=4 * logits.shape[-1] * 7,
+            grad_into_logits=into)
+        total = total + terms.kd_sum / terms.kd_count
+        if with_ce:
+            total = total + terms.ce_sum / terms.ce_count
+    total.backward()
+    ref_gold, grad_gold = case.reference_loss("gold")
+    ref_hkl, grad_hkl = case.reference_loss("hkl", with_ce=True)
+    assert total.item() == pytest.approx(ref_gold + ref_hkl, rel=1e-5)
+    ref_grad = grad_gold + grad_hkl
+    scale = ref_grad.abs().max().item()
+    torch.testing.assert_close(logits.grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
+                               atol=1e-5 * scale)

@@ -109,8 +109,9 @@ def parallel_kd_loss(
     count, the KD denominator, is unweighted).
     ``grad_into_logits``: the backward writes the logits' gradient over ``student_logits``
     (as Megatron's ``vocab_parallel_cross_entropy`` overwrites its logits), saving a
-    [B, T, V_local] buffer; only for logits nothing else uses after this loss (one call on
-    them; another autograd user that saved them raises at its backward).
+    [B, T, V_local] buffer; only where no other user reads the logits after this call's
+    backward (autograd runs backwards in reverse order of creation: the first of several calls
+    on them, or the only one; another user that saved them and runs later raises).
     """
     if student_logits.dim() != 3:
         raise ValueError(f"student logits must be [B, T, V_local], got {tuple(student_logits.shape)}")

@@ -208,8 +208,8 @@ class KDObjective:
         """Local KD and CE sums of one student microbatch (student's last stage). Without
         ``payload_rows`` (the microbatch's flat teacher payloads, [b, numel]) CE alone.
         ``with_ce=False``: KD only (another teacher's call takes the CE).
-        ``grad_into_logits``: the backward overwrites the logits with their gradient (the
-        only loss call on them; see :func:`parallel_kd_loss`)."""
+        ``grad_into_logits``: the backward overwrites the logits with their gradient (for the
+        loss call whose backward reads them last; see :func:`parallel_kd_loss`)."""
         groups = self.student
         width = logits.shape[1] * groups.layout.cp
         payload = pred = None

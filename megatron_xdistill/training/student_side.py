@@ -168,9 +168,12 @@ class StudentSide:
             terms = [kds[0].student_terms(logits, teacher_view(micro.batch, 0),
                                           grad_into_logits=True)]
             weights, denominators = [0.0], [None]
-        else:  # one loss call on the logits: its backward may write over them
-            alone = len(kds) == 1
-            terms = [self._teacher_terms(kd, k, micro, logits, alone)
+        else:
+            # Teacher 0's call writes its gradient over the logits: made first, its backward
+            # runs last (autograd runs nodes in reverse order of creation), after every other
+            # teacher's has read them; were it ever earlier, their backward would raise (the
+            # logits' version is bumped), not read a gradient.
+            terms = [self._teacher_terms(kd, k, micro, logits, over_logits=k == 0)
                      for k, kd in enumerate(kds)]
             weights = list(combination.weights)
         loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=cfg.ce_weight,
@@ -188,7 +191,7 @@ class StudentSide:
 
     @staticmethod
     def _teacher_terms(kd: KDObjective, k: int, micro: Microbatch, logits: torch.Tensor,
-                       alone: bool = False):
+                       over_logits: bool = False):
         """Teacher k's KD sums of a micro-batch (teacher 0's call also takes the CE); under
         selection only over the samples it teaches, and no work when it teaches none."""
         view = teacher_view(micro.batch, k)
@@ -199,7 +202,7 @@ class StudentSide:
                 return KDTerms(zero, zero.detach(), zero.detach(), zero, zero.detach())
             view = dict(view, chunk_valid=view["chunk_valid"] & taught[:, None])
         return kd.student_terms(logits, view, micro.payloads[k], with_ce=k == 0,
-                                grad_into_logits=alone)
+                                grad_into_logits=over_logits)
 
     def train_step(self, samples: dict[int, dict], payloads: list[dict[int, torch.Tensor]] | None,
                    kds: list[KDObjective], combination: Combination,
