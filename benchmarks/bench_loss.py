@@ -156,6 +156,7 @@ for gold, twice for the others; 16,384: twice):
   16,384  gold        7.32-7.50 s, 0.86x, 4.4-4.6%     15.40-17.85 s, 1.77-3.36x, 4.4-4.6%
   16,384  chunk_topk  2.97-3.22 s, 0.35-0.37x, 17-24%  9.45-12.05 s, 1.09-2.27x, 16-17%
   16,384  full        34.4 s, 3.6x, 7.5% (one run)      -
+  16,384  gold (V_s 128,256)  16.3 s, 0.59x, 1.4% (one run; CE 27.8 s)
 
   (Megatron's CE: 0.88-0.94 s at 4,096 tokens; at 16,384 8.46-8.70 s in the runs beside
   ``over the logits`` and 5.30-8.67 s beside ``--fresh-grad``: it allocates and faults in a
