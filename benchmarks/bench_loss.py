@@ -133,21 +133,24 @@ backward, CPU-time ratio to CE (wall at 2 threads):
   0.13 -> 0.07 s per 20 blocks; A/B of 55972ec (before) and c58ffae (after), runs
   alternated, 1 thread, V_s 49,152: before 6.29-6.42 s (7.6-8.1x), after 5.02-5.06 s (6.2x);
   extra memory 22% -> 16-18% of the logits. The projection is now 60% of what is left (W's
-  nonzeros read per eight rows, forward and in the recomputing backward, and transposed). At 2 threads a quarter of the CPU time is torch's OpenMP threads spinning after each
-  torch op while Numba's threads run: with OMP_WAIT_POLICY=PASSIVE the same run takes 4.16 s
+  nonzeros read per eight rows, forward and in the recomputing backward, and transposed). At 2
+  threads a quarter of the CPU time is torch's OpenMP threads spinning after each torch op
+  while Numba's threads run: with OMP_WAIT_POLICY=PASSIVE the same run takes 4.16 s
   wall, 7.1x (not set by the library: it is the process's choice).
 
 The gradient written over the logits (``parallel_kd_loss(..., grad_into_logits=True)``, what
 training's call of teacher 0 does and what Megatron's CE does to its logits): no fresh
 [positions, V] buffer to fault in page by page (``--fresh-grad`` measures the old way, still
-what the calls of teachers 1, 2, ... do when there are several). The blocks whose gradient nothing reads the logits
-after (gold's and CE's logits-only path) write it over them directly, with a Numba pass on one
-array (``cpu_rows._exp_spread_over``: two aliased arrays send LLVM's vectorised loop to its
-scalar fallback, 0.89 s against 0.16 s a 4,096 x 49,152 pass); the others through a block
-workspace. 2026-11-29, another machine (Intel Xeon, 260 MiB L3: page faults cost more here
-and the exact form is slower than on the AMD EPYC above; c58ffae's exact form: 9.74 s, 11.0x
-CE), 1 thread, V_s 49,152, CPU-time ratio to CE, runs alternated (4,096 tokens: three times
-for gold, twice for the others; 16,384: twice):
+what the calls of teachers 1, 2, ... do when there are several). Blocks whose logits nothing
+reads after their gradient (gold's and CE's logits-only path) write it over them directly,
+with a Numba pass on one array (``cpu_rows._exp_spread_over``: two aliased arrays send LLVM's
+vectorised loop to its scalar fallback, 0.89 s against 0.16 s a 4,096 x 49,152 pass); the
+others go through a block workspace. 2026-11-29, commit 6e256e1 (memory: the peak from the
+inputs' setup on; the rule of f716890, below, counts from the timed runs), another machine
+(Intel Xeon, 260 MiB L3: page faults cost more here and the exact form is slower than on the
+AMD EPYC above; c58ffae's exact form: 9.74 s, 11.0x CE), 1 thread, V_s 49,152, CPU-time ratio
+to CE, runs alternated (4,096 tokens: three times for gold, twice for the others; 16,384:
+twice; the two "one run" rows at the commits they name):
 
   tokens  form        over the logits                  --fresh-grad
    4,096  gold        1.96-1.98 s, 2.22-2.24x, 7.5%    2.22-2.48 s, 2.48-2.78x, 7.3-7.8%
@@ -155,16 +158,16 @@ for gold, twice for the others; 16,384: twice):
    4,096  chunk_topk  0.76 s, 0.81-0.85x               0.97-0.98 s, 1.07-1.10x
   16,384  gold        7.32-7.50 s, 0.86x, 4.4-4.6%     15.40-17.85 s, 1.77-3.36x, 4.4-4.6%
   16,384  chunk_topk  2.97-3.22 s, 0.35-0.37x, 17-24%  9.45-12.05 s, 1.09-2.27x, 16-17%
-  16,384  full        34.4 s, 3.6x, 7.5% (one run)      -
-  16,384  gold (V_s 128,256)  16.3 s, 0.59x, 1.4% (one run; CE 27.8 s)
+  16,384  full        34.4 s, 3.6x, 7.5% (one run, 6e256e1)  -
+  16,384  gold (V_s 128,256)  16.3 s, 0.59x, 1.4% (one run, e4de832; CE 27.8 s)
 
   (Megatron's CE: 0.88-0.94 s at 4,096 tokens; at 16,384 8.46-8.70 s in the runs beside
   ``over the logits`` and 5.30-8.67 s beside ``--fresh-grad``: it allocates and faults in a
   logits-sized buffer per call, whose cost swings on this machine. Against its fastest run,
-  gold over the logits is 1.4x CE at 16k tokens.) The memory column is now the peak from the inputs' setup
-  on (``/proc/self/clear_refs``; the process's lifetime peak could hide a loss whose peak is
-  below the setup's), net of a .grad buffer where one is made. With no gradient buffer the
-  forward's own peak shows: chunk_topk's W entries expanded for all blocks at once
+  gold over the logits is 1.4x CE at 16k tokens.) The memory column is now the peak from the
+  inputs' setup on (``/proc/self/clear_refs``; the process's lifetime peak could hide a loss
+  whose peak is below the setup's), net of a .grad buffer where one is made. With no gradient
+  buffer the forward's own peak shows: chunk_topk's W entries expanded for all blocks at once
   (``block_entries``, per chunk row k columns x their W entries, int64 indices) are 15-24% of
   these logits at 16k tokens, above the 10% target; the 8.2% above was net of a gradient that
   the backward allocated after that peak was gone. Then the column entries as one pair index

@@ -103,54 +103,42 @@ def uncommon_means(x: torch.Tensor, lz: torch.Tensor, counts: torch.Tensor,
     return out, checksum
 
 
-def _teacher_rows(b_common: torch.Tensor, b_keys: torch.Tensor | None, rows: int,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table, row of the table for each chunk row): ``b_common`` itself with ``b_keys`` when
-    given (payload rows read where they lie), else its rows in order."""
-    if b_keys is None:
-        return b_common.to(dtype).contiguous(), torch.arange(rows)
-    return b_common, b_keys.contiguous()
-
-
 def forward_rows(x: torch.Tensor, lz: torch.Tensor, counts: torch.Tensor,
-                 col_common: torch.Tensor, col_uncommon: torch.Tensor, b_common: torch.Tensor,
-                 b_keys: torch.Tensor | None = None
+                 col_common: torch.Tensor, col_uncommon: torch.Tensor, b_table: torch.Tensor,
+                 b_keys: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(uncommon chunk means [R, |U|], their fp64 row sums, forward KL on the common columns
     [R] (fp64 sums, in x's dtype), student / teacher argmax agreement on them [R] bool) of
     chunk rows with summed logits ``x`` [R, V], log-partitions ``lz`` and ``counts``
-    positions; ``b_common`` [R, |C|] the teacher's log-probs on the common columns (pair order
-    of ``col_common``), or with ``b_keys`` [R] a table of them (contiguous, x's dtype) and each
-    chunk row's row of it."""
+    positions; the teacher's log-probs on the common columns (pair order of ``col_common``)
+    are row ``b_keys[r]`` [R] of ``b_table`` (contiguous, x's dtype; e.g. the payload's)."""
     rows = x.shape[0]
-    b, b_keys = _teacher_rows(b_common, b_keys, rows, x.dtype)
     a_unc = x.new_empty(rows, col_uncommon.numel())
     checksum, kl = torch.empty(rows, dtype=torch.float64), torch.empty(rows, dtype=torch.float64)
     agree = torch.empty(rows, dtype=torch.bool)
     use_torch_threads()
     work = scratch("gold_rows", rows * col_common.numel(), x.device, x.dtype)
-    _forward_rows(*_arrays(x, lz, counts.to(x.dtype), col_common, col_uncommon, b, b_keys),
+    _forward_rows(*_arrays(x, lz, counts.to(x.dtype), col_common, col_uncommon, b_table,
+                          b_keys),
                   a_unc.numpy(), checksum.numpy(), kl.numpy(), agree.numpy(),
                   work.view(rows, col_common.numel()).numpy())
     return a_unc, checksum, kl.to(x.dtype), agree
 
 
 def gradient_rows(a_unc: torch.Tensor, runs: SignRuns, col_common: torch.Tensor,
-                  col_uncommon: torch.Tensor, b_common: torch.Tensor, scale: torch.Tensor,
-                  num_columns: int, b_keys: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  col_uncommon: torch.Tensor, b_table: torch.Tensor, b_keys: torch.Tensor,
+                  scale: torch.Tensor, num_columns: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(gradient on the rows' summed logits [R, ``num_columns``], on their log-partitions [R])
     of ``sum_r scale_r count_r KL_r`` (``scale`` = weight / count): see the module docstring.
-    ``runs``: the L1's sign runs of ``a_unc`` (the uncommon chunk means); ``b_common`` /
-    ``b_keys`` as :func:`forward_rows`'."""
+    ``runs``: the L1's sign runs of ``a_unc`` (the uncommon chunk means); ``b_table`` /
+    ``b_keys`` as :func:`forward_rows`' (in a_unc's dtype)."""
     dt = a_unc.dtype
-    b, b_keys = _teacher_rows(b_common, b_keys, a_unc.shape[0], dt)
     a = a_unc.detach().contiguous()
     g = a.new_empty(a.shape[0], num_columns)
     g_lz = a.new_empty(a.shape[0])
     width = max(a.shape[1], col_common.numel())  # a row's exp(a), then its teacher's p
     use_torch_threads()
-    _gradient_rows(*_arrays(a, col_common, col_uncommon, b, b_keys, scale.to(dt)),
+    _gradient_rows(*_arrays(a, col_common, col_uncommon, b_table, b_keys, scale.to(dt)),
                    *runs.lookup(dt),
                    g.numpy(), g_lz.numpy(),
                    scratch("gold_rows", a.numel(), a.device, dt).view(a.shape).numpy(),

@@ -81,13 +81,14 @@ def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 def _row_table(payload_part: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(table, keys) for kernels that read payload rows ``keys`` where they lie: the part as a
-    [B * C, ...] view when it is one contiguous table of ``dtype``; else its rows gathered
-    (and converted) and None (the rows in order)."""
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table, row of the table for each key) in ``dtype``, for kernels that read
+    payload rows ``keys`` where they lie: the part as a [B * C, ...] view and the keys when it
+    is one contiguous table of ``dtype``; else its rows gathered (and converted), in order."""
     if payload_part.is_contiguous() and payload_part.dtype == dtype:
         return payload_part.reshape(-1, *payload_part.shape[2:]), keys
-    return _rows_of(payload_part, keys).to(dtype), None
+    rows = _rows_of(payload_part, keys).to(dtype)
+    return rows, torch.arange(rows.shape[0], device=rows.device)
 
 
 def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
@@ -506,7 +507,7 @@ class GoldKernel:
         runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum)
         table, b_keys = _row_table(self.payload.logprobs, keys, x.dtype)
         g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
-                                          table, scale, x.shape[1], b_keys)
+                                          table, b_keys, scale, x.shape[1])
         return {"x": g, "lz": g_lz}
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
