@@ -22,24 +22,27 @@ from megatron_xdistill.loss.sorted_top import sorted_top, top_values
 VS, VT = 40, 90
 
 
-def _shard(seed: int = 0) -> tuple[ProjectionShard, torch.Tensor]:
-    """A W with up to 3 entries per row, some empty rows, and its dense form."""
+def _shard(seed: int = 0, vs: int = VS, vt: int = VT) -> tuple[ProjectionShard, torch.Tensor]:
+    """A W [vs, vt] with up to 3 entries per row, some empty rows, and its dense form."""
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, VT, (VS, 3), generator=gen)
-    w = torch.rand(VS, 3, generator=gen, dtype=torch.float64)
-    idx[torch.rand(VS, 3, generator=gen) < 0.3] = -1
+    idx = torch.randint(0, vt, (vs, 3), generator=gen)
+    w = torch.rand(vs, 3, generator=gen, dtype=torch.float64)
+    idx[torch.rand(vs, 3, generator=gen) < 0.3] = -1
     idx[:3] = -1
-    dense = torch.zeros(VS, VT, dtype=torch.float64)
-    for s in range(VS):
+    dense = torch.zeros(vs, vt, dtype=torch.float64)
+    for s in range(vs):
         for j in range(3):
             if idx[s, j] >= 0:
                 dense[s, idx[s, j]] += w[s, j].float().double()
-    return ProjectionShard(idx, w.float(), 0, VT), dense
+    return ProjectionShard(idx, w.float(), 0, vt), dense
 
 
-#: rows of a block: fewer than one group of the Numba projection (8 rows), and three groups,
-#: the last one partial
-ROWS = [5, 19]
+#: rows of a block: one, a few and more than a SIMD vector's lanes (the Numba projection
+#: takes all of a block's rows as one transposed line)
+ROWS = [1, 5, 19]
+#: vocabularies (V_s, V_t): one tile of the Numba kernels' lines (256) and several, the last
+#: one partial (|I| ~ 770, 700 student rows)
+SIZES = [(VS, VT), (700, 1000)]
 
 
 def _segments(rows: int, seed: int) -> torch.Tensor:
@@ -54,23 +57,24 @@ def _segments(rows: int, seed: int) -> torch.Tensor:
     return torch.where(gaps, -1, seg)
 
 
-def _block(seed: int, dtype: torch.dtype, rows: int = 5):
+def _block(seed: int, dtype: torch.dtype, rows: int = 5, vs: int = VS):
     """Positions of ``rows`` rows (:func:`_segments`), their probabilities and factors."""
     gen = torch.Generator().manual_seed(seed)
     seg = _segments(rows, seed)
-    probs = torch.softmax(torch.randn(seg.numel(), VS, generator=gen, dtype=torch.float64), 1)
+    probs = torch.softmax(torch.randn(seg.numel(), vs, generator=gen, dtype=torch.float64), 1)
     factor = torch.rand(seg.numel(), generator=gen, dtype=torch.float64) + 0.5
     return probs.to(dtype), factor.to(dtype), seg
 
 
+@pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("use_numba", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_image_projection_equals_the_dense_product(use_numba, dtype, rows):
-    shard, dense = _shard()
-    proj = ImageProjection.build(shard, VS, None)
+def test_image_projection_equals_the_dense_product(use_numba, dtype, rows, sizes):
+    shard, dense = _shard(0, *sizes)
+    proj = ImageProjection.build(shard, sizes[0], None)
     assert torch.equal(proj.image, torch.nonzero(dense.sum(0) > 0, as_tuple=True)[0])
-    probs, factor, seg = _block(1, dtype, rows)
+    probs, factor, seg = _block(1, dtype, rows, sizes[0])
     got = proj.project(probs, factor, seg, rows, use_numba=use_numba)
     p = probs.double() * factor.double()[:, None]
     rows = torch.stack([p[seg == r].sum(0) for r in range(rows)])
@@ -79,16 +83,19 @@ def test_image_projection_equals_the_dense_product(use_numba, dtype, rows):
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("num_rows", ROWS)
 @pytest.mark.parametrize("use_numba", [True, False])
-def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numba, num_rows):
+def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numba, num_rows,
+                                                                        sizes):
     """backward_into leaves the gradient on logits / T of sum <g, q_I> (x inv_t) plus coef * p,
     where p = softmax over the whole vocabulary = probs_local * factor (one TP rank here)."""
-    shard, dense = _shard(2)
-    proj = ImageProjection.build(shard, VS, None)
+    shard, dense = _shard(2, *sizes)
+    proj = ImageProjection.build(shard, sizes[0], None)
     gen = torch.Generator().manual_seed(3)
     seg = _segments(num_rows, 3)
-    x = torch.randn(seg.numel(), VS, generator=gen, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(seg.numel(), sizes[0], generator=gen, dtype=torch.float64,
+                    requires_grad=True)
     g = torch.randn(num_rows, proj.size, generator=gen, dtype=torch.float64)
     coef = torch.randn(seg.numel(), generator=gen, dtype=torch.float64)
     inv_t = 0.5
@@ -564,6 +571,36 @@ def test_exact_rows_teacher_terms_equal_torchs(beta, dtype, step):
     assert torch.isfinite(const).all()
     assert argmax.tolist() == torch.where(asked, lp.argmax(-1), 0).tolist()
     assert int(argmax[4]) == 7  # the first of two equal maxima, as torch.argmax
+
+
+def test_exact_rows_teacher_terms_over_rows_of_several_pieces():
+    """Rows longer than the pass's piece (each row is read a piece at a time): the first
+    argmax wherever it lies (column 0, a later piece, the partial last piece, a tie between
+    pieces: the earlier) and the terms as the float64 sums over the whole row."""
+    from megatron_xdistill.loss import exact_rows
+    from megatron_xdistill.loss.common import EPS
+
+    piece = exact_rows._PIECE
+    width = 3 * piece + 100
+    gen = torch.Generator().manual_seed(5)
+    lp = torch.log_softmax(torch.randn(6, width, generator=gen, dtype=torch.float64), -1)
+    for row, cols in enumerate([[0], [piece + 7], [3 * piece + 99], [piece - 1, 2 * piece],
+                                [2 * piece + 1, 2 * piece + 5], []]):
+        for c in cols:
+            lp[row, c] = -0.5
+    lp[5, :: 3] = float("-inf")  # 0 log 0 = 0
+    in_image = torch.rand(width, generator=gen) < 0.6
+    keys = torch.arange(6)
+    for dtype in (torch.float32, torch.float64):
+        x = lp.to(dtype)
+        const, argmax = exact_rows.teacher_terms(x, keys, in_image, 0.0, 4)
+        p = x.double().exp()
+        want = (torch.where(p > 0, p * x.double(), 0.0).sum(-1)
+                - math.log(EPS) * (p * (~in_image)).sum(-1))
+        tol = 1e-6 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(const, want, rtol=tol, atol=tol)
+        assert argmax.tolist() == x.argmax(-1).tolist()
+        assert argmax[:5].tolist() == [0, piece + 7, 3 * piece + 99, piece - 1, 2 * piece + 1]
 
 
 def _image_kl_reference(u, lp, keys, image, const):

@@ -30,7 +30,7 @@ import torch
 from numba import njit, prange
 
 from .common import EPS, TINY
-from .cpu_rows import FASTMATH, fast_exp, fast_log, first_argmax
+from .cpu_rows import FASTMATH, fast_exp, fast_log, first_argmax, row_max
 from .numba_cpu import numba_takes, use_torch_threads
 from .workspace import scratch
 
@@ -38,29 +38,42 @@ from .workspace import scratch
 supported = numba_takes
 
 
+#: Columns of a payload row taken at a time by :func:`_row_terms`: its maximum, then its exps
+#: while it is still in L1 (the row read from memory once; a whole-row argmax pass first, then
+#: the exps, read it twice: 0.80 + 1.3 ns an element, 2.1 together, at 2,000 x 151,936)
+_PIECE = 2048
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _row_terms(lp, keys, outside, mode, beta, log_eps, const, argmax):  # pragma: no cover
     """For each payload row ``keys[j]`` of ``lp``: the first argmax, and the teacher-only
     terms: mode 0 (forward KL) sum p log p - log(EPS) * outside mass, mode 1 (reverse)
     nothing, mode 2 (JSD) -beta log(beta) * outside mass; p = exp(lp) in the pass, fp64
-    sums."""
+    sums. One pass over the row, a piece at a time (:data:`_PIECE`)."""
     n = lp.shape[1]
     for j in prange(keys.shape[0]):
         key = keys[j]
         row = lp[key]
-        argmax[key] = first_argmax(row)
-        if mode == 1:
-            continue
+        best, at = row[0], 0  # the first piece holding the largest value
         plogp = 0.0
         out = 0.0
-        for t in range(n):
-            e = fast_exp(row[t])
-            plogp += e * max(row[t], -1e30)  # 0 log 0 = 0 at a -inf log-prob (e = 0); a
-            # select on e here would keep the loop from vectorising (5.4 ns an element, 0.65)
-            out += e * outside[t]
+        for lo in range(0, n, _PIECE):
+            hi = min(lo + _PIECE, n)
+            piece, off = row[lo:hi], outside[lo:hi]  # indices from 0: no wraparound checks
+            top = row_max(piece)
+            if top > best:
+                best, at = top, lo
+            if mode == 1:
+                continue
+            for t in range(piece.shape[0]):
+                e = fast_exp(piece[t])
+                plogp += e * max(piece[t], -1e30)  # 0 log 0 = 0 at a -inf log-prob (e = 0): a
+                # select on e here would keep the loop from vectorising (5.4 ns an element, 0.65)
+                out += e * off[t]
+        argmax[key] = at + first_argmax(row[at: min(at + _PIECE, n)])
         if mode == 0:
             const[key] = plogp - log_eps * out
-        else:
+        elif mode == 2:
             const[key] = -beta * math.log(beta) * out
 
 

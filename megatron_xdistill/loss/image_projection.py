@@ -10,11 +10,11 @@ the same [rows, |I|] layout and one sum over TP completes q.
 Two implementations of the same two maps (a block's positions -> q_I per row; a gradient on q_I
 -> the gradient on the block's logits), chosen by device: Numba kernels on CPU, and elsewhere
 (CUDA) the rows' summed probabilities times W as a sparse CSR matrix product (cuSPARSE): no
-[rows, nonzeros] gather, which made the gather path's time on an H200. The CPU kernels take the
-block's rows eight at a time, transposed ([V, 8]), so each of W's nonzeros is read once per eight
-rows and adds a short vector (no data-dependent inner loop per column: row by row, the branch
-misses of columns with 1-4 entries cost more than the gathers); the entries are split at column
-(forward) or row (backward) boundaries, so parallel parts never write the same place.
+[rows, nonzeros] gather, which made the gather path's time on an H200. The CPU kernels take all
+of a block's rows at once, transposed ([V, rows]): each of W's nonzeros is read once a block and
+adds one contiguous vector of all the rows, and each line of W (a column of I forward, a student
+row backward) is written by one thread. Eight rows at a time with the rows kept as they are (one
+strided store per row and entry) was 3x slower at the 90 rows of a 16k-token block.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-import numba
+import numpy as np
 import torch
 from numba import njit, prange
 
@@ -31,83 +31,67 @@ from .numba_cpu import numba_takes, use_torch_threads
 from .shard import ProjectionShard
 from .workspace import scratch
 
-#: Rows projected together: each W entry read once serves this many rows (one 32-byte vector of
-#: a [V, 8] transposed mass); measured fastest of 4, 8, 16 and 32 on a 2-core AVX-512 CPU
-#: (22 rows, V_s 49,152, |I| 87,607: 8 rows 5.0 ms, 4 rows 5.9, 16 rows 8.1; row by row 13 ms).
-_GROUP = 8
-
-
-@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _row_sum(p, factor, order, lo, hi, m):  # pragma: no cover - numba
-    """m = sum of p[i] * factor[i] over the positions order[lo:hi] (one row's)."""
-    m[:] = 0.0
-    for j in range(lo, hi):
-        i = order[j]
-        f, pi = factor[i], p[i]
-        for s in range(p.shape[1]):
-            m[s] += pi[s] * f
+#: Lines of a tile: the Numba kernels below work on [tile, rows] pieces of the transposed
+#: operands (~20-90 KiB at 22-90 rows, within L2), written out or read in the rows' order.
+_TILE = 256
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _project_rows(p, factor, order, row_off, split, ccol_e, cstudent, cval, mass, mass_t, out
-                  ):  # pragma: no cover - numba
-    """out[r] += (sum over row r's positions i of p[i] * factor[i]) W_I. The rows' sums go to
-    ``mass`` [rows, n] (parallel over rows), then a group of rows at a time to ``mass_t``
-    [n, group] transposed, so each W entry (CSC order: ``ccol_e`` its column of I,
-    ``cstudent`` its student row) adds one short vector. The entries are split at column
-    boundaries (``split``) so parallel parts write apart."""
-    rows, n = row_off.shape[0] - 1, p.shape[1]
-    for r in prange(rows):
-        _row_sum(p, factor, order, row_off[r], row_off[r + 1], mass[r])
-    group = mass_t.shape[1]
-    for g0 in range(0, rows, group):
-        width = min(group, rows - g0)
-        for s in prange(n):
-            mt = mass_t[s]
-            for k in range(width):
-                mt[k] = mass[g0 + k, s]
-        for part in prange(split.shape[0] - 1):
-            for e in range(split[part], split[part + 1]):
-                c, v, mt = ccol_e[e], cval[e], mass_t[cstudent[e]]
-                for k in range(width):
-                    out[g0 + k, c] += v * mt[k]
+def _row_sums_t(p, factor, order, row_off, mass_t):  # pragma: no cover - numba
+    """mass_t[s, r] = sum of p[i, s] * factor[i] over row r's positions
+    order[row_off[r]:row_off[r + 1]]: the rows' sums transposed ([V, rows]), a tile of
+    columns at a time (parallel over tiles)."""
+    n, rows = p.shape[1], row_off.shape[0] - 1
+    for tile in prange((n + _TILE - 1) // _TILE):
+        s0 = tile * _TILE
+        width = min(_TILE, n - s0)
+        acc = np.empty(width, mass_t.dtype)
+        for r in range(rows):
+            acc[:] = 0.0
+            for j in range(row_off[r], row_off[r + 1]):
+                i = order[j]
+                f, pi = factor[i], p[i]
+                for s in range(width):
+                    acc[s] += pi[s0 + s] * f
+            for s in range(width):
+                mass_t[s0 + s, r] = acc[s]
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _project_row_by_row(p, factor, order, row_off, ccol, cstudent, cval, mass, out
-                        ):  # pragma: no cover - numba
-    """:func:`_project_rows` one row at a time: a row's sum in ``mass[r]``, then per column of
-    I its entries' products summed in a register (fewer than a group of rows: the transposed
-    table would only spread the row over more cache lines)."""
-    for r in prange(out.shape[0]):
-        m = mass[r]
-        _row_sum(p, factor, order, row_off[r], row_off[r + 1], m)
-        o = out[r]
-        for t in range(o.shape[0]):
-            acc = 0.0
-            for e in range(ccol[t], ccol[t + 1]):
-                acc += m[cstudent[e]] * cval[e]
-            o[t] = acc
+def _transpose(x, x_t):  # pragma: no cover - numba
+    """x_t = x.T, [V, rows] from [rows, V], a tile of columns at a time."""
+    rows, n = x.shape
+    for tile in prange((n + _TILE - 1) // _TILE):
+        s0 = tile * _TILE
+        width = min(_TILE, n - s0)
+        for r in range(rows):
+            xr = x[r]
+            for s in range(width):
+                x_t[s0 + s, r] = xr[s0 + s]
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _unproject_rows(split, rstudent, rcol, rval, g, g_t, h):  # pragma: no cover - numba
-    """h[r] = W_I g[r] (the gradient on a row's student probabilities), a group of rows at a
-    time: ``g_t`` [|I|, group] scratch holds a group's rows of g transposed; entries in CSR order
-    (``rstudent`` their student row, ``rcol`` their column of I), split at row boundaries."""
-    rows, size = g.shape
-    h[:] = 0.0
-    group = g_t.shape[1]
-    for g0 in range(0, rows, group):
-        width = min(group, rows - g0)
-        for t in prange(size):
-            for k in range(width):
-                g_t[t, k] = g[g0 + k, t]
-        for part in prange(split.shape[0] - 1):
-            for e in range(split[part], split[part + 1]):
-                s, v, x = rstudent[e], rval[e], g_t[rcol[e]]
-                for k in range(width):
-                    h[g0 + k, s] += v * x[k]
+def _combine_lines(x_t, offsets, index, value, out):  # pragma: no cover - numba
+    """out[:, l] = sum over line l's entries e (offsets[l]:offsets[l + 1]) of value[e] *
+    x_t[index[e]]: x_t [*, rows] holds all the block's rows transposed, so each W entry is
+    read once a block and adds one contiguous vector; a tile of lines is summed into a
+    [tile, rows] piece, then written into out [rows, lines] row by row (parallel over
+    tiles: each writes its own columns of out)."""
+    rows, lines = out.shape
+    for tile in prange((lines + _TILE - 1) // _TILE):
+        l0 = tile * _TILE
+        width = min(_TILE, lines - l0)
+        piece = np.zeros((width, rows), out.dtype)
+        for line in range(width):
+            o = piece[line]
+            for e in range(offsets[l0 + line], offsets[l0 + line + 1]):
+                v, x = value[e], x_t[index[e]]
+                for k in range(rows):
+                    o[k] += v * x[k]
+        for k in range(rows):
+            ok = out[k]
+            for line in range(width):
+                ok[l0 + line] = piece[line, k]
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -172,7 +156,6 @@ class ImageProjection:
     csc_student: torch.Tensor  # [E] int64 student row of each entry, by column of I
     csc_val: torch.Tensor  # [E] float32 its weight
     _matrices: dict = field(default_factory=dict, repr=False, compare=False)
-    _entry_rows: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, shard: ProjectionShard, num_real: int, tp_group: Group) -> ImageProjection:
@@ -226,49 +209,44 @@ class ImageProjection:
                     parts[0], parts[1], parts[2].to(dtype), size=size, check_invariants=False)
         return self._matrices[key]
 
-    def _lines(self, by_column: bool) -> torch.Tensor:
-        """The column of I (``by_column``: CSC order) or the student row (CSR order) of each
-        entry, made once."""
-        if by_column not in self._entry_rows:
-            offsets = self.ccol if by_column else self.crow
-            self._entry_rows[by_column] = torch.repeat_interleave(
-                torch.arange(offsets.numel() - 1, device=offsets.device), offsets.diff())
-        return self._entry_rows[by_column]
-
-    @staticmethod
-    def _split(offsets: torch.Tensor) -> torch.Tensor:
-        """Entry offsets cutting ``offsets``' lines into a few parts per thread (the parts of a
-        parallel loop, each writing its own lines)."""
-        parts = 4 * numba.get_num_threads()
-        lines = offsets.numel() - 1
-        return offsets.index_select(0, torch.arange(parts + 1) * lines // parts)
-
     def _weights(self, dtype: torch.dtype, by_column: bool = False) -> torch.Tensor:
         val = self.csc_val if by_column else self.val
         return val if val.dtype == dtype else val.to(dtype)
+
+    def _by_lines(self, x_t: torch.Tensor, by_column: bool, name: str) -> torch.Tensor:
+        """Numba, all of a block's rows at once, from them transposed (``x_t`` [width, rows]):
+        ``by_column`` x W_I ([rows, V_real] -> [rows, |I|], W's columns of I as lines), else
+        x W_I^T ([rows, |I|] -> [rows, V_real], W's student rows as lines). Each W entry adds
+        one contiguous vector of all the rows (eight rows at a time with one strided store a
+        row and entry took 37 ms at 90 rows x |I| 87,607; this 11 ms). Returns a view of the
+        scratch buffer ``name`` (valid until its next use)."""
+        rows = x_t.shape[1]
+        if by_column:
+            offsets, index, lines = self.ccol, self.csc_student, self.size
+        else:
+            offsets, index, lines = self.crow, self.col, self.crow.numel() - 1
+        out = scratch(name, rows * lines, x_t.device, x_t.dtype).view(rows, lines)
+        use_torch_threads()
+        _combine_lines(x_t.numpy(), offsets.numpy(), index.numpy(),
+                       self._weights(x_t.dtype, by_column).numpy(), out.numpy())
+        return out
 
     def project(self, probs_local: torch.Tensor, factor: torch.Tensor, seg: torch.Tensor,
                 num_rows: int, use_numba: bool | None = None) -> torch.Tensor:
         """[num_rows, |I|]: per row, its positions' probabilities (``probs_local * factor``)
         summed and projected onto I. ``seg``: row of each position, -1 for none.
-        ``use_numba``: None picks by device (tests force either)."""
-        out = probs_local.new_zeros(num_rows, self.size)
+        ``use_numba``: None picks by device (tests force either). On CPU a view of a reused
+        buffer: valid until the next projection (a block's, which is all that reads it)."""
         if self._numba(probs_local) if use_numba is None else use_numba:
             order, off = _row_runs(seg, num_rows)
             use_torch_threads()
             n = probs_local.shape[1]
-            mass = scratch("image_mass", num_rows * n, out.device, out.dtype).view(num_rows, n)
-            args = (probs_local.numpy(), factor.contiguous().numpy(), order.numpy(), off.numpy())
-            weights = self._weights(out.dtype, by_column=True).numpy()
-            if num_rows < _GROUP:
-                _project_row_by_row(*args, self.ccol.numpy(), self.csc_student.numpy(), weights,
-                                    mass.numpy(), out.numpy())
-                return out
-            mass_t = scratch("image_mass_t", n * _GROUP, out.device, out.dtype)
-            _project_rows(*args, self._split(self.ccol).numpy(),
-                          self._lines(by_column=True).numpy(), self.csc_student.numpy(), weights,
-                          mass.numpy(), mass_t.view(n, _GROUP).numpy(), out.numpy())
-            return out
+            mass_t = scratch("image_mass_t", n * num_rows, probs_local.device,
+                             probs_local.dtype).view(n, num_rows)
+            _row_sums_t(probs_local.numpy(), factor.contiguous().numpy(), order.numpy(),
+                        off.numpy(), mass_t.numpy())
+            return self._by_lines(mass_t, True, "image_q")
+        out = probs_local.new_zeros(num_rows, self.size)
         seg_d = torch.where(seg >= 0, seg, num_rows)
         n = probs_local.shape[1]
         rows = probs_local.new_zeros(num_rows + 1, n).index_add_(
@@ -287,15 +265,13 @@ class ImageProjection:
         num_rows = grad_q.shape[0]
         grad_q = grad_q.to(out.dtype).contiguous()
         if self._numba(out) if use_numba is None else use_numba:
-            h = out.new_empty(num_rows, out.shape[1])
-            dot = torch.zeros(out.shape[0], dtype=out.dtype)
-            group = max(1, min(_GROUP, num_rows))
-            g_t = scratch("image_grad", self.size * group, out.device, out.dtype)
+            grad_t = scratch("image_grad_t", grad_q.numel(), out.device,
+                             out.dtype).view(self.size, num_rows)
             use_torch_threads()
+            _transpose(grad_q.numpy(), grad_t.numpy())
+            h = self._by_lines(grad_t, False, "image_h")
+            dot = torch.zeros(out.shape[0], dtype=out.dtype)
             seg_np, factor_np = seg.contiguous().numpy(), factor.contiguous().numpy()
-            _unproject_rows(self._split(self.crow).numpy(), self._lines(by_column=False).numpy(),
-                            self.col.numpy(), self._weights(out.dtype).numpy(), grad_q.numpy(),
-                            g_t.view(self.size, group).numpy(), h.numpy())
             _row_dots(out.numpy(), factor_np, seg_np, h.numpy(), dot.numpy())
             all_reduce(dot, tp_group)
             _combine(out.numpy(), factor_np, seg_np, h.numpy(), dot.numpy(), float(inv_t),
