@@ -603,12 +603,57 @@ def test_exact_rows_teacher_terms_over_rows_of_several_pieces():
         assert argmax[:5].tolist() == [0, piece + 7, 3 * piece + 99, piece - 1, 2 * piece + 1]
 
 
-def _image_kl_reference(u, lp, keys, image, const):
+def _image_kl_reference(u, lp, keys, image, const=None):
+    """The forward KL of the rows ``keys`` against q = u / sum u on I; ``const`` the rows'
+    teacher-only terms (None: from ``lp``, in float64: sum p log p - log(EPS) * mass outside
+    I, the KL over all of V_t)."""
     from megatron_xdistill.loss.common import EPS, TINY
 
+    if const is None:
+        p = lp.double().exp()
+        outside = torch.ones(lp.shape[1], dtype=torch.bool)
+        outside[image] = False
+        const = (torch.where(p > 0, p * lp.double(), 0.0).sum(-1)
+                 - math.log(EPS) * (p * outside).sum(-1))
     q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
     p = lp.index_select(0, keys)[:, image].exp()
     return const.index_select(0, keys).to(u.dtype) - (p * torch.log(q + EPS)).sum(-1)
+
+
+def _outside(width: int, image: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.ones(width, dtype=dtype)
+    out[image] = 0
+    return out
+
+
+def test_exact_rows_image_kl_over_rows_of_several_pieces():
+    """Payload rows longer than the pass's piece: the KL over all of V_t against the float64
+    sums, and both argmaxes wherever they lie (a tie between pieces: the earlier, as
+    torch.argmax), with pieces that hold no column of I."""
+    from megatron_xdistill.loss import exact_rows
+
+    piece = exact_rows._PIECE
+    width = 4 * piece + 100
+    gen = torch.Generator().manual_seed(7)
+    lp = torch.log_softmax(torch.randn(5, width, generator=gen, dtype=torch.float64), -1)
+    lp[1, 3 * piece + 50] = lp[2, piece + 1] = lp[2, 4 * piece + 3] = 0.0
+    lp[3, :: 2] = float("-inf")
+    keep = torch.rand(width, generator=gen) < 0.5
+    keep[piece: 2 * piece] = False  # a piece with no column of I
+    image = torch.nonzero(keep, as_tuple=True)[0]
+    keys = torch.tensor([0, 1, 2, 3, 4, 2])
+    u = torch.rand(6, image.numel(), generator=gen, dtype=torch.float64)
+    last = image.numel() - 1
+    u[1, last] = u[2, 3] = u[2, last] = 2.0  # u's argmax: the last piece; a tie: the first
+    for dtype in (torch.float32, torch.float64):
+        x, m = lp.to(dtype), u.to(dtype)
+        kl, at, teacher_at = exact_rows.image_kl(m, x, keys, image, _outside(width, image, dtype))
+        want = _image_kl_reference(m.double(), x.double(), keys, image)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        torch.testing.assert_close(kl.double(), want, rtol=tol, atol=tol)
+        assert at.tolist() == m.argmax(-1).tolist() and at[2] == 3 and at[1] == last
+        assert teacher_at.tolist() == x.argmax(-1)[keys].tolist()
+        assert teacher_at[1] == 3 * piece + 50 and teacher_at[2] == piece + 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -621,13 +666,13 @@ def test_exact_rows_image_kl_and_its_gradient_equal_autograds(dtype):
     lp, image, keys, u = _exact_case(dtype)
     if dtype == torch.float64:
         u[3] = 0.0
-    const = torch.randn(9, dtype=torch.float64)
-    kl, at = exact_rows.image_kl(u, lp, keys, image, const)
+    kl, at, teacher_at = exact_rows.image_kl(u, lp, keys, image, _outside(60, image, lp.dtype))
     leaf = u.clone().requires_grad_(True)
-    want = _image_kl_reference(leaf, lp, keys, image, const)
+    want = _image_kl_reference(leaf, lp, keys, image)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(kl, want.detach(), rtol=tol, atol=tol)
     assert at.tolist() == u.argmax(-1).tolist()
+    assert teacher_at.tolist() == lp.argmax(-1)[keys].tolist() and teacher_at[0] == 7
     for weight in (torch.tensor([0.5, 2.0, 0.0, 1.0, 3.0], dtype=dtype),
                    torch.tensor(1.5, dtype=dtype)):
         (grad_want,) = torch.autograd.grad((want * weight).sum(), leaf, retain_graph=True)

@@ -3,13 +3,16 @@
 Three maps of :class:`~.kernels.DenseKernel`, written for a CPU (float32 / float64 tensors):
 
 * ``teacher_terms``: per payload row, the teacher's argmax over V_t and the divergence's terms
-  outside W's image I (entropy, mass outside I): one Numba pass over the row where it lies (the
-  exp inside it) after a branch-free one for the maximum; was a copy of 32 rows at a time,
-  torch's exp of them into a second buffer and a pass over both.
-* ``image_kl``: a block's forward KL on I, ``const - sum_{t in I} P_t log(q_t + EPS)``, and the
-  argmax of the projected mass: per row, the teacher's columns on I gathered from the payload
-  row into a reused buffer, then one pass with exp and log inside it (fp64 sum); was torch's
-  exp of the gathered rows and its division, addition and log into a second [rows, |I|] buffer.
+  outside W's image I (entropy, mass outside I), one pass over the row where it lies, a piece
+  at a time (its maximum, then its exps): what the torch passes of the other divergences
+  (reverse KL, JSD) read.
+* ``image_kl``: a block's forward KL over all of V_t and the argmaxes of the projected mass
+  and of the teacher: per row one pass over the payload row, a piece at a time: the logs of
+  q on the piece's columns of I spread into a piece-sized buffer (0 elsewhere), then the
+  piece's exps against it and the teacher-only terms (entropy, mass outside I) in the same
+  loop, fp64 sums. Was a teacher-terms pass over every row when the call began, then per
+  block a gather of the row's columns on I and an exp-and-log pass over them: the payload
+  read twice and I's exps taken twice.
 * ``image_kl_grad``: its gradient on the projected mass u (q = u / sum u), written directly:
   ``-(w / S) (P_t / (q_t + EPS) - sum_t' P_t' q_t' / (q_t' + EPS))``, P gathered into the
   gradient's row and exponentiated in the pass. No log and no autograd through a recompute of
@@ -100,20 +103,52 @@ def teacher_terms(logprobs: torch.Tensor, keys: torch.Tensor, in_image: torch.Te
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _kl_rows(u, lp, keys, image, inv_total, eps, kl, at, work):  # pragma: no cover - numba
-    """kl[r] = sum_t P_t log(q_t + eps) (fp64 sum), P_t = exp(lp[keys[r], image[t]]) read from
-    the payload row in place, q = u[r] inv_total[r]; at[r] = the first argmax of u[r].
-    ``work`` [rows, |I|]: each row's gathered log-probs (a loop of its own vectorises both)."""
-    n = u.shape[1]
+def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, teacher_at,
+             work):  # pragma: no cover - numba
+    """Per row r: kl[r] = the forward KL over all of V_t of teacher row lp[keys[r]] against
+    q = u[r] inv_total[r] on I (0 elsewhere): sum_t P_t log P_t - log(EPS) * (P's mass
+    outside I) - sum_{t in I} P_t log(q_t + eps), fp64 sums; at[r] = the first argmax of u[r];
+    teacher_at[r] = the first argmax of the teacher row. One pass over the teacher row, a piece
+    of _PIECE columns at a time: the logs of q on the piece's columns of I (image[cut[p]:
+    cut[p + 1]]) spread into a piece-sized row of work (0 elsewhere), then the piece's exps
+    against it while it is in L1. ``work`` [rows, 2, _PIECE]."""
+    n_t = lp.shape[1]
     for r in prange(u.shape[0]):
-        ur, row, inv, w = u[r], lp[keys[r]], inv_total[r], work[r]
-        for t in range(n):
-            w[t] = row[image[t]]
-        acc = 0.0
-        for t in range(n):
-            acc += fast_exp(w[t]) * fast_log(ur[t] * inv + eps)
-        kl[r] = acc
-        at[r] = first_argmax(ur)
+        ur, row, inv = u[r], lp[keys[r]], inv_total[r]
+        spread, logs = work[r, 0], work[r, 1]
+        best_t, at_t = row[0], 0         # the first piece holding the teacher's largest value
+        best_u, lo_u, hi_u = -math.inf, 0, 0  # and u's: the range of I that holds it
+        plogp = 0.0
+        out = 0.0
+        cross = 0.0
+        for p in range(cut.shape[0] - 1):
+            lo = p * _PIECE
+            hi = min(lo + _PIECE, n_t)
+            i0, i1 = cut[p], cut[p + 1]
+            piece, off, sp = row[lo:hi], outside[lo:hi], spread[: hi - lo]
+            if i1 > i0:
+                uu, lg, cols = ur[i0:i1], logs[: i1 - i0], image[i0:i1]
+                top = row_max(uu)
+                if top > best_u:
+                    best_u, lo_u, hi_u = top, i0, i1
+                for k in range(uu.shape[0]):
+                    lg[k] = fast_log(uu[k] * inv + eps)
+                sp[:] = 0.0
+                for k in range(cols.shape[0]):  # the spread on its own: with the log in the
+                    sp[cols[k] - lo] = lg[k]    # loop, the loop does not vectorise
+            else:
+                sp[:] = 0.0
+            top = row_max(piece)
+            if top > best_t:
+                best_t, at_t = top, lo
+            for t in range(piece.shape[0]):
+                e = fast_exp(piece[t])
+                plogp += e * max(piece[t], -1e30)  # 0 log 0 = 0 at a -inf log-prob (e = 0)
+                out += e * off[t]
+                cross += e * sp[t]
+        kl[r] = plogp - log_eps * out - cross
+        teacher_at[r] = at_t + first_argmax(row[at_t: min(at_t + _PIECE, n_t)])
+        at[r] = lo_u + first_argmax(ur[lo_u:hi_u]) if hi_u > lo_u else 0
 
 
 def _scalar(value: float, like: torch.Tensor):
@@ -123,22 +158,27 @@ def _scalar(value: float, like: torch.Tensor):
 
 
 def image_kl(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor, image: torch.Tensor,
-             const: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(forward KL per row, column of I where u is largest) of the rows ``keys``: u [r, |I|]
-    the projected student mass on I, const the rows' teacher-only terms (fp64). Not
+             outside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(forward KL over all of V_t per row, column of I where u is largest, the teacher's
+    argmax over V_t) of the rows ``keys``: u [r, |I|] the projected student mass on I,
+    ``outside`` [V_t] 1 on the teacher columns outside I (0 on I) in the payload's dtype. The
+    teacher-only terms are taken in the same pass over each payload row (read once). Not
     differentiable (the backward takes :func:`image_kl_grad`)."""
-    rows = u.shape[0]
-    kl = torch.empty(rows, dtype=torch.float64)
+    rows, width = u.shape[0], logprobs.shape[1]
+    kl = torch.zeros(rows, dtype=torch.float64)
     at = torch.zeros(rows, dtype=torch.int64)
-    if rows == 0 or image.numel() == 0:
-        return const.index_select(0, keys).to(u.dtype), at
+    teacher_at = torch.zeros(rows, dtype=torch.int64)
+    if rows == 0 or width == 0:
+        return kl.to(u.dtype), at, teacher_at
     u = u.detach().contiguous()
     inv = 1.0 / u.sum(-1).clamp_min_(TINY)
+    cut = torch.searchsorted(image, torch.arange(-(-width // _PIECE) + 1) * _PIECE)
+    work = scratch("image_kl", rows * 2 * _PIECE, u.device, u.dtype).view(rows, 2, _PIECE)
     use_torch_threads()
-    work = scratch("image_lp", u.numel(), u.device, logprobs.dtype).view(u.shape)
     _kl_rows(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
-             inv.numpy(), _scalar(EPS, u), kl.numpy(), at.numpy(), work.numpy())
-    return (const.index_select(0, keys) - kl).to(u.dtype), at
+             cut.numpy(), outside.numpy(), inv.numpy(), _scalar(EPS, u), math.log(EPS),
+             kl.numpy(), at.numpy(), teacher_at.numpy(), work.numpy())
+    return kl.to(u.dtype), at, teacher_at
 
 
 def _rows_in_place(logprobs: torch.Tensor):

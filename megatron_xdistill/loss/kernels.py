@@ -266,10 +266,11 @@ class DenseKernel:
     raw = each row's projected student mass on I [r, |I|] (:class:`ImageProjection`). Columns
     outside I have q = 0, so their part of the KL is the teacher's alone: forward KL =
     sum_t P_t log P_t - log(EPS) * (mass of P outside I) - sum_{t in I} P_t log(q_t + EPS),
-    whose first two terms are taken once per row from the payload (``_teacher_terms``); the
-    reverse KL has no term outside I; the JSD's there is beta P_t log(1 / beta) (M = beta P).
-    Equal to ``formulas.projected_kl`` over all of V_t. On CPU the per-row work is
-    :mod:`.exact_rows`' (few vectorised passes; the forward KL's gradient written directly).
+    whose first two terms are the teacher's alone (``_teacher_terms``, once per payload row;
+    on CPU the forward KL takes them in its own pass over each row); the reverse KL has no
+    term outside I; the JSD's there is beta P_t log(1 / beta) (M = beta P). Equal to
+    ``formulas.projected_kl`` over all of V_t. On CPU the per-row work is :mod:`.exact_rows`'
+    (few vectorised passes; the forward KL's gradient written directly).
     """
 
     per_block = True
@@ -298,16 +299,35 @@ class DenseKernel:
         self.beta, self.tp_group = beta, tp_group
         self.proj = ImageProjection.of(shard, num_real, tp_group)
         self.logprobs = payload.logprobs.reshape(-1, payload.spec.width)
-        self.const, self.argmax = self._teacher_terms(keys)
+        width, dev = self.logprobs.shape[1], self.logprobs.device
+        self.in_image = torch.zeros(width, dtype=torch.bool, device=dev)
+        self.in_image[self.proj.image] = True
+        self.keys = keys
+        self._terms: tuple[torch.Tensor, torch.Tensor] | None = None
+        # :mod:`.exact_rows`' forward KL takes the teacher-only terms in its own pass over
+        # each payload row; the other paths read them from one pass here, made on first use.
+        self.outside = (~self.in_image).to(self.logprobs.dtype)
 
-    def _teacher_terms(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per payload row (filled for ``keys``): the divergence's teacher-only terms (outside
-        W's image) and the teacher's argmax over all of V_t. A few passes over each row, into
-        reused buffers."""
+    @property
+    def const(self) -> torch.Tensor:
+        return self._teacher_terms()[0]
+
+    @property
+    def argmax(self) -> torch.Tensor:
+        return self._teacher_terms()[1]
+
+    def _teacher_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per payload row (filled for the call's keys): the divergence's teacher-only terms
+        (outside W's image) and the teacher's argmax over all of V_t, made once. A few passes
+        over each row, into reused buffers."""
+        if self._terms is None:
+            self._terms = self._make_teacher_terms(self.keys)
+        return self._terms
+
+    def _make_teacher_terms(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n, width = self.logprobs.shape
         dev = self.logprobs.device
-        in_image = torch.zeros(width, dtype=torch.bool, device=dev)
-        in_image[self.proj.image] = True
+        in_image = self.in_image
         step = self.teacher_rows_per_step(keys.numel(), dev)
         if exact_rows.supported(self.logprobs):
             return exact_rows.teacher_terms(self.logprobs, keys.to(dev), in_image, self.beta,
@@ -354,12 +374,13 @@ class DenseKernel:
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         u = replicated_sum(raw["q"], self.tp_group)
         if self._direct(u) and not u.requires_grad:
-            kl, at = exact_rows.image_kl(u, self.logprobs, keys, self.proj.image, self.const)
+            kl, at, teacher_at = exact_rows.image_kl(u, self.logprobs, keys, self.proj.image,
+                                                     self.outside)
             if not top1:
                 return kl, None
             if self.proj.size == 0:
                 return kl, torch.zeros_like(at, dtype=torch.bool)
-            return kl, self.proj.image[at] == self.argmax.index_select(0, keys)
+            return kl, self.proj.image[at] == teacher_at
         q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
         log_q = torch.log(q + EPS)
         log_p = self.logprobs.index_select(0, keys).index_select(1, self.proj.image).to(q.dtype)
