@@ -178,11 +178,27 @@ twice; the two "one run" rows at the commits they name):
   heap trimmed after each call a call's own peak is 0.40-0.44 GiB, 13-14%. At the default k = 64
   the entries are a quarter of these.
 
+The exact form's projection with all of a block's rows at once (``loss/image_projection.py``:
+the rows transposed, [V, rows], so each W entry adds one contiguous vector of all of them;
+was eight rows at a time with a strided store per row and entry: 37 -> ~16 ms a projection
+at 90 rows), its teacher terms in one pass over each payload row (commit 0b08c28), then the
+forward KL reading each payload row once, the teacher-only terms in the same pass
+(``loss/exact_rows.py``, 6a58251). 2026-11-29, A/B of 16f39a7 (before) and 6a58251 (after),
+runs alternated, 1 thread, V_s 49,152, s per forward + backward, CPU-time ratio to CE:
+
+  tokens  before                             after
+   4,096  7.03-7.36 s, 8.0-8.1x, 18-19%      4.56-4.75 s, 5.2-5.3x, 17-18%
+  16,384  34.4 s, 3.6x, 7.5% (one run)       24.2 s, 4.35x against a fast CE run (5.57 s;
+                                             2.9x against its 8.5 s beside the run before),
+                                             7.6% (one run)
+
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
-reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, at least
-three times per chunk (teacher-only terms, and P on W's image in forward and in the recomputing
+reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, twice
+per chunk (the forward KL with the teacher-only terms, and P on W's image in the recomputing
 backward), with an exp each time, and its projection is a sparse gather of ~2.7 entries per
-student column with no locality, done three times (forward, recompute, transpose).
+student column with no locality, done three times (forward, recompute, transpose): at 16k
+tokens (in-process profile, 6a58251) the projections are half of the time (11.7 of 23.8 s:
+the line products 5.8 s), the payload's passes 40% (the forward KL 6.1 s, its gradient 3.1).
 Gold's L1 needs each chunk's 8,192 largest uncommon values sorted (0.1-0.3 ms per row,
 values only; before ``sorted_l1`` the backward sorted again with their columns, 2.2x that), and
 every chunk row costs several passes over both halves of the vocabulary (means, exps, the
