@@ -218,8 +218,8 @@ class ImageProjection:
         ``by_column`` x W_I ([rows, V_real] -> [rows, |I|], W's columns of I as lines), else
         x W_I^T ([rows, |I|] -> [rows, V_real], W's student rows as lines). Each W entry adds
         one contiguous vector of all the rows (eight rows at a time with one strided store a
-        row and entry took 37 ms at 90 rows x |I| 87,607; this 11 ms). Returns a view of the
-        scratch buffer ``name`` (valid until its next use)."""
+        row and entry took 37 ms at 90 rows x |I| 87,607; this 10-16 ms, the transposes
+        included). Returns a view of the scratch buffer ``name`` (valid until its next use)."""
         rows = x_t.shape[1]
         if by_column:
             offsets, index, lines = self.ccol, self.csc_student, self.size
