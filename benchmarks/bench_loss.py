@@ -188,9 +188,12 @@ runs alternated, 1 thread, V_s 49,152, s per forward + backward, CPU-time ratio 
 
   tokens  before                             after
    4,096  7.03-7.36 s, 8.0-8.1x, 18-19%      4.56-4.75 s, 5.2-5.3x, 17-18%
-  16,384  34.4 s, 3.6x, 7.5% (one run)       24.2 s, 4.35x against a fast CE run (5.57 s;
-                                             2.9x against its 8.5 s beside the run before),
-                                             7.6% (one run)
+  16,384  31.5-33.7 s, 8.0-9.4x, 7.6-8.2%    22.5-23.8 s, 5.3-6.3x, 6.2-10.7%
+
+  (Megatron's CE at 16,384 tokens took 3.6-4.3 s in these runs, 8.5 s in the session before
+  and 5.6 s in a run between: its logits-sized buffer's page faults swing with the machine's
+  state. The exact form's extra memory swings with glibc's retained heap; after 6a58251 the
+  projection's gradient and h take the projection's two buffers, the last row, 6.2%.)
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, twice

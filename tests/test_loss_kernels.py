@@ -109,6 +109,24 @@ def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numb
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
 
 
+def test_image_projection_backward_takes_the_projection_itself_as_its_gradient():
+    """The backward reuses the projection's buffers (the projection is valid until the next
+    projection or backward); given the projection's own output as the gradient, it still
+    reads it whole: as with a copy of it."""
+    shard, _ = _shard(2, 700, 1000)
+    proj = ImageProjection.build(shard, 700, None)
+    probs, factor, seg = _block(4, torch.float32, 19, 700)
+    coef = torch.linspace(-1.0, 1.0, seg.numel())
+    q = proj.project(probs, factor, seg, 19, use_numba=True).clone()
+    want = probs.clone()
+    proj.backward_into(want, factor, seg, q, 0.5, coef, None, use_numba=True)
+    got = probs.clone()
+    q_in_place = proj.project(probs, factor, seg, 19, use_numba=True)
+    assert torch.equal(q_in_place, q)
+    proj.backward_into(got, factor, seg, q_in_place, 0.5, coef, None, use_numba=True)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("n", [1, 7, 50])
 def test_sorted_top_equals_topk_with_its_gradient(n):
     gen = torch.Generator().manual_seed(n)

@@ -236,7 +236,8 @@ class ImageProjection:
         """[num_rows, |I|]: per row, its positions' probabilities (``probs_local * factor``)
         summed and projected onto I. ``seg``: row of each position, -1 for none.
         ``use_numba``: None picks by device (tests force either). On CPU a view of a reused
-        buffer: valid until the next projection (a block's, which is all that reads it)."""
+        buffer: valid until the next projection or :meth:`backward_into` (a block's: its
+        KL, then its gradient, read it first)."""
         if self._numba(probs_local) if use_numba is None else use_numba:
             order, off = _row_runs(seg, num_rows)
             use_torch_threads()
@@ -265,11 +266,17 @@ class ImageProjection:
         num_rows = grad_q.shape[0]
         grad_q = grad_q.to(out.dtype).contiguous()
         if self._numba(out) if use_numba is None else use_numba:
-            grad_t = scratch("image_grad_t", grad_q.numel(), out.device,
-                             out.dtype).view(self.size, num_rows)
+            # The block's projection is read before its gradient is made: its two buffers
+            # (same sizes) take the gradient transposed and h, unless the gradient is one.
+            name = "image_q"
+            grad_t = scratch(name, grad_q.numel(), out.device, out.dtype)
+            if grad_t.untyped_storage().data_ptr() == grad_q.untyped_storage().data_ptr():
+                name = "image_grad_t"
+                grad_t = scratch(name, grad_q.numel(), out.device, out.dtype)
+            grad_t = grad_t.view(self.size, num_rows)
             use_torch_threads()
             _transpose(grad_q.numpy(), grad_t.numpy())
-            h = self._by_lines(grad_t, False, "image_h")
+            h = self._by_lines(grad_t, False, "image_mass_t")
             dot = torch.zeros(out.shape[0], dtype=out.dtype)
             seg_np, factor_np = seg.contiguous().numpy(), factor.contiguous().numpy()
             _row_dots(out.numpy(), factor_np, seg_np, h.numpy(), dot.numpy())
