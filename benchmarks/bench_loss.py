@@ -194,6 +194,8 @@ runs alternated, 1 thread, V_s 49,152, s per forward + backward, CPU-time ratio 
   and 5.6 s in a run between: its logits-sized buffer's page faults swing with the machine's
   state. The exact form's extra memory swings with glibc's retained heap; after 6a58251 the
   projection's gradient and h take the projection's two buffers, the last row, 6.2%.)
+  With the demo's real W (``--projection``, as above), 4,096 tokens, one run each: 16f39a7
+  4.79 s (5.22x CE), dfffd57 3.68-3.69 s (4.0-4.1x), extra memory 14% -> 12-13%.
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, twice
