@@ -196,6 +196,10 @@ runs alternated, 1 thread, V_s 49,152, s per forward + backward, CPU-time ratio 
   projection's gradient and h take the projection's two buffers, the last row, 6.2%.)
   With the demo's real W (``--projection``, as above), 4,096 tokens, one run each: 16f39a7
   4.79 s (5.22x CE), dfffd57 3.68-3.69 s (4.0-4.1x), extra memory 14% -> 12-13%.
+  Two threads, 4,096 tokens, one run each: 16f39a7 6.79 s wall (10.1x CE), 6254a3a 5.17 s
+  (7.6x): slower than one thread, because torch's OpenMP threads spin after each torch op
+  while Numba's run on the same two cores; with OMP_WAIT_POLICY=PASSIVE 3.44 s (5.4x).
+  (torchrun's one thread a rank has neither.)
 
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, twice
