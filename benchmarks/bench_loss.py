@@ -213,7 +213,7 @@ LLVM gives Numba's loops 256-bit vectors on this CPU (Intel Emerald Rapids, AVX-
 -prefer-256-bit``, a process-wide choice the library leaves to the user) the exp, log and
 fp64 sums of those passes ran 1.3-1.6x faster in isolation; in-process at 4,096 tokens the
 forward KL 1.39 -> 1.11 s, its gradient 0.72 -> 0.63 s, forward + backward 4.80 -> 4.63 s
-(one run each; the projections, bound by W's gathers, unchanged).
+(one run each, 6a58251; the projections, bound by W's gathers, unchanged).
 Gold's L1 needs each chunk's 8,192 largest uncommon values sorted (0.1-0.3 ms per row,
 values only; before ``sorted_l1`` the backward sorted again with their columns, 2.2x that), and
 every chunk row costs several passes over both halves of the vocabulary (means, exps, the

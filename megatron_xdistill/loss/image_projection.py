@@ -57,19 +57,6 @@ def _row_sums_t(p, factor, order, row_off, mass_t):  # pragma: no cover - numba
                 mass_t[s0 + s, r] = acc[s]
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _transpose(x, x_t):  # pragma: no cover - numba
-    """x_t = x.T, [V, rows] from [rows, V], a tile of columns at a time."""
-    rows, n = x.shape
-    for tile in prange((n + _TILE - 1) // _TILE):
-        s0 = tile * _TILE
-        width = min(_TILE, n - s0)
-        for r in range(rows):
-            xr = x[r]
-            for s in range(width):
-                x_t[s0 + s, r] = xr[s0 + s]
-
-
 @njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _combine_lines(x_t, offsets, index, value, out):  # pragma: no cover - numba
     """out[:, l] = sum over line l's entries e (offsets[l]:offsets[l + 1]) of value[e] *
@@ -268,14 +255,10 @@ class ImageProjection:
         if self._numba(out) if use_numba is None else use_numba:
             # The block's projection is read before its gradient is made: its two buffers
             # (same sizes) take the gradient transposed and h, unless the gradient is one.
-            name = "image_q"
-            grad_t = scratch(name, grad_q.numel(), out.device, out.dtype)
+            grad_t = scratch("image_q", grad_q.numel(), out.device, out.dtype)
             if grad_t.untyped_storage().data_ptr() == grad_q.untyped_storage().data_ptr():
-                name = "image_grad_t"
-                grad_t = scratch(name, grad_q.numel(), out.device, out.dtype)
-            grad_t = grad_t.view(self.size, num_rows)
-            use_torch_threads()
-            _transpose(grad_q.numpy(), grad_t.numpy())
+                grad_t = scratch("image_grad_t", grad_q.numel(), out.device, out.dtype)
+            grad_t = grad_t.view(self.size, num_rows).copy_(grad_q.t())
             h = self._by_lines(grad_t, False, "image_mass_t")
             dot = torch.zeros(out.shape[0], dtype=out.dtype)
             seg_np, factor_np = seg.contiguous().numpy(), factor.contiguous().numpy()
