@@ -478,8 +478,9 @@ else:
                                  labels=labels if cfg["with_ce"] else None,
                                  block_bytes=None if cfg["block_mib"] is None
                                  else cfg["block_mib"] << 20,
-                                 grad_into_logits=cfg["grad_into_logits"])
-        (terms.kd_sum / terms.kd_count + terms.ce_sum).backward()
+                                 grad_into_logits=cfg["grad_into_logits"],
+                                 loss_weights=None if cfg["recompute"] else (1.0 / c, 1.0))
+        (terms.kd_sum / c + terms.ce_sum).backward()  # every chunk counts: kd_count = c
         t1, c1 = clock()
         leaf.grad = None
         work = work.detach()
@@ -565,6 +566,11 @@ def main(argv: list[str] | None = None) -> None:
                              "what a later-made loss on the same logits needs, e.g. teacher 1 "
                              "of several); default: written over the logits, as training's "
                              "call of teacher 0 and Megatron's CE do")
+    parser.add_argument("--recompute", action="store_true",
+                        help="the KD call gets no loss_weights: its backward recomputes each "
+                             "block's softmax and sums (what a call gets whose loss weights are "
+                             "not known before it: dynamic scaling, several teachers); default: "
+                             "the forward writes the gradient, as training's one-teacher call")
     parser.add_argument("--projection", default=None, metavar="PATH",
                         help="a real W (.safetensors from the projection CLI) instead of the "
                              "synthetic one; its vocabularies set V_s and V_t (gold: its strict "
@@ -585,7 +591,8 @@ def main(argv: list[str] | None = None) -> None:
           f"dtype={args.dtype} threads={args.threads} "
           f"block={'default' if args.block_mib is None else f'{args.block_mib} MiB'}"
           f"{' +CE' if args.with_ce else ''} KD grad="
-          f"{'fresh buffer' if args.fresh_grad else 'over the logits'}")
+          f"{'fresh buffer' if args.fresh_grad else 'over the logits'}, "
+          f"{'recomputed in the backward' if args.recompute else 'written by the forward'}")
     print(head)
     for tokens in args.tokens:
         for vs in args.vs:
@@ -593,7 +600,7 @@ def main(argv: list[str] | None = None) -> None:
                         device=args.device,
                         threads=args.threads, repeat=args.repeat, port=port,
                         block_mib=args.block_mib, with_ce=args.with_ce,
-                        grad_into_logits=not args.fresh_grad,
+                        grad_into_logits=not args.fresh_grad, recompute=args.recompute,
                         profile=args.profile, projection=args.projection)
             ce = run({**base, "form": "ce"})
             rows = [("megatron CE", ce)]

@@ -665,10 +665,16 @@ def test_exact_rows_image_kl_over_rows_of_several_pieces():
     u[1, last] = u[2, 3] = u[2, last] = 2.0  # u's argmax: the last piece; a tie: the first
     for dtype in (torch.float32, torch.float64):
         x, m = lp.to(dtype), u.to(dtype)
-        kl, at, teacher_at = exact_rows.image_kl(m, x, keys, image, _outside(width, image, dtype))
-        want = _image_kl_reference(m.double(), x.double(), keys, image)
+        weight = torch.tensor([0.5, 2.0, 1.0, 3.0, 1.0, 0.25], dtype=dtype)
+        kl, at, teacher_at, grad = exact_rows.image_kl(m, x, keys, image,
+                                                       _outside(width, image, dtype), weight)
+        leaf = m.double().requires_grad_(True)
+        want = _image_kl_reference(leaf, x.double(), keys, image)
         tol = 1e-5 if dtype == torch.float32 else 1e-12
-        torch.testing.assert_close(kl.double(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(kl.double(), want.detach(), rtol=tol, atol=tol)
+        (grad_want,) = torch.autograd.grad((want * weight.double()).sum(), leaf)
+        torch.testing.assert_close(grad.double(), grad_want, rtol=tol,
+                                   atol=tol * float(grad_want.abs().max()))
         assert at.tolist() == m.argmax(-1).tolist() and at[2] == 3 and at[1] == last
         assert teacher_at.tolist() == x.argmax(-1)[keys].tolist()
         assert teacher_at[1] == 3 * piece + 50 and teacher_at[2] == piece + 1
@@ -684,7 +690,9 @@ def test_exact_rows_image_kl_and_its_gradient_equal_autograds(dtype):
     lp, image, keys, u = _exact_case(dtype)
     if dtype == torch.float64:
         u[3] = 0.0
-    kl, at, teacher_at = exact_rows.image_kl(u, lp, keys, image, _outside(60, image, lp.dtype))
+    kl, at, teacher_at, none = exact_rows.image_kl(u, lp, keys, image,
+                                                   _outside(60, image, lp.dtype))
+    assert none is None
     leaf = u.clone().requires_grad_(True)
     want = _image_kl_reference(leaf, lp, keys, image)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
@@ -695,6 +703,10 @@ def test_exact_rows_image_kl_and_its_gradient_equal_autograds(dtype):
                    torch.tensor(1.5, dtype=dtype)):
         (grad_want,) = torch.autograd.grad((want * weight).sum(), leaf, retain_graph=True)
         got = exact_rows.image_kl_grad(u, lp, keys, image, weight)
+        kl_too, *_, with_kl = exact_rows.image_kl(u, lp, keys, image,
+                                                  _outside(60, image, lp.dtype), weight)
+        assert torch.equal(kl_too, kl)
         for r in range(u.shape[0]):  # each row to its own scale (the empty row's is ~1e40)
             scale = float(grad_want[r].abs().max())
             torch.testing.assert_close(got[r], grad_want[r], rtol=tol, atol=tol * scale)
+            torch.testing.assert_close(with_kl[r], grad_want[r], rtol=tol, atol=tol * scale)

@@ -89,8 +89,11 @@ def _spec(case, config):
                         uncommon_topk=unc)
 
 
-def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes: int) -> dict:
-    """On every rank: the whole teacher -> student path for every config in layout TP x CP."""
+def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes: int,
+                weights_ahead: bool = False) -> dict:
+    """On every rank: the whole teacher -> student path for every config in layout TP x CP.
+    ``weights_ahead``: the global counts first (a no-grad call), then the call with the loss's
+    weights (``loss_weights``: the forward writes the gradient where the layout allows)."""
     from megatron_xdistill.loss import parallel_kd_loss, total_loss
     from megatron_xdistill.parallel.context_parallel import slice_for_cp_rank
 
@@ -119,16 +122,26 @@ def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes:
             vocab_size=case.vt, temperature=temp, common_teacher_ids=common[1],
             tp_group=groups["tp"], cp_group=groups["cp"], block_bytes=block_bytes)
         logits = local(case.student_logits, vs_local).requires_grad_(True)
-        terms = parallel_kd_loss(
-            logits, payload, ids(case.student_chunk_id), case.chunk_valid[samples],
-            case.chunk_exact[samples], shard, student_vocab_size=case.vs, mode=mode,
-            temperature=temp, reverse=reverse is True,
-            jsd_beta=None if isinstance(reverse, bool) else reverse, exact_only=exact_only,
-            common_student_ids=common[0], uncommon_topk=unc,
-            labels=labels if ce_w else None, tp_group=groups["tp"], cp_group=groups["cp"],
-            block_bytes=block_bytes)
+
+        args = (logits, payload, ids(case.student_chunk_id), case.chunk_valid[samples],
+                case.chunk_exact[samples], shard)
+        kw = dict(student_vocab_size=case.vs, mode=mode, temperature=temp,
+                  reverse=reverse is True, jsd_beta=None if isinstance(reverse, bool) else reverse,
+                  exact_only=exact_only, common_student_ids=common[0], uncommon_topk=unc,
+                  labels=labels if ce_w else None, tp_group=groups["tp"], cp_group=groups["cp"],
+                  block_bytes=block_bytes)
+        n_kd = n_ce = None
+        if weights_ahead:
+            with torch.no_grad():
+                first = parallel_kd_loss(*args, **kw)
+            counts = torch.stack([first.kd_count.double(), first.ce_count.double()])
+            torch.distributed.all_reduce(counts, group=groups["dp_cp"])
+            n_kd, n_ce = counts.clamp_min(1.0).tolist()
+        terms = parallel_kd_loss(*args, **kw, loss_weights=(1.0 / n_kd, ce_w / n_ce)
+                                 if weights_ahead else None)
         loss, metrics = total_loss(terms, kd_weight=1.0, ce_weight=ce_w, dynamic_scaling=dynamic,
-                                   dp_cp_group=groups["dp_cp"])
+                                   dp_cp_group=groups["dp_cp"], kd_denominator=n_kd,
+                                   ce_denominator=n_ce)
         loss.backward()
         out.append({"loss": loss.item(), "grad": logits.grad, "metrics": metrics,
                     "payload": payload.to_flat(), "samples": samples})
@@ -217,11 +230,14 @@ def _payload(case, config, n_dp: int) -> torch.Tensor:
     return flat
 
 
-def _check_layout(outs, expected, tp: int, cp: int) -> None:
+def _check_layout(outs, expected, tp: int, cp: int, which: list[int] | None = None) -> None:
+    """Every config's results (``which``: the CONFIGS they are, in order) against the
+    references."""
     case, refs, payloads = expected(outs[0]["coords"]["n_dp"])
-    for i, config in enumerate(CONFIGS):
+    for at, i in enumerate(range(len(CONFIGS)) if which is None else which):
+        config = CONFIGS[i]
         ref_loss, ref_grad, ref_metrics = refs[i]
-        loss, grad = _assemble(case, outs, tp, cp, i)
+        loss, grad = _assemble(case, outs, tp, cp, at)
         where = f"TP{tp} CP{cp} {config}"
         assert loss == pytest.approx(ref_loss, rel=RTOL), where
         scale = ref_grad.abs().max().item()
@@ -229,7 +245,7 @@ def _check_layout(outs, expected, tp: int, cp: int) -> None:
                                    msg=lambda m, w=where: f"{w}: {m}")
         assert torch.count_nonzero(grad[..., case.vs:]) == 0, where
         for out in outs:
-            res = out["results"][i]
+            res = out["results"][at]
             assert res["metrics"]["valid_chunks"] == ref_metrics["valid_chunks"], where
             assert res["metrics"]["top1_agree"] == pytest.approx(ref_metrics["top1_agree"]), where
             torch.testing.assert_close(res["payload"], payloads[i][res["samples"]],
@@ -240,6 +256,19 @@ def _check_layout(outs, expected, tp: int, cp: int) -> None:
 def test_parallel_loss_matches_reference(pool, expected, tp, cp):
     outs = pool.run(_run_layout, tp, cp, CASE, CONFIGS, 4 * 24 * 5)
     _check_layout(outs, expected, tp, cp)
+
+
+#: exact P-KL with CE, gold at T 2 (reverse, CE), the chunk top-k with CE
+AHEAD = [0, 7, 11]
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])
+def test_forward_gradient_matches_reference(pool, expected, tp, cp):
+    """``loss_weights``: the forward writes the gradient (TP 2: the exact form's KL and its
+    gradient from the replicated sums in one pass); with CP 2 the chunks split over CP keep
+    the recomputing backward on every rank alike. Against the same references."""
+    outs = pool.run(_run_layout, tp, cp, CASE, [CONFIGS[i] for i in AHEAD], 4 * 24 * 5, True)
+    _check_layout(outs, expected, tp, cp, AHEAD)
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ Three maps of :class:`~.kernels.DenseKernel`, written for a CPU (float32 / float
   piece's exps against it and the teacher-only terms (entropy, mass outside I) in the same
   loop, fp64 sums. Was a teacher-terms pass over every row when the call began, then per
   block a gather of the row's columns on I and an exp-and-log pass over them: the payload
-  read twice and I's exps taken twice.
+  read twice and I's exps taken twice. With a weight (a forward that writes the gradient,
+  ``parallel_kd_loss(loss_weights=...)``) the same pass also writes ``image_kl_grad``'s
+  gradient, P gathered from the piece's exps while they are in L1.
 * ``image_kl_grad``: its gradient on the projected mass u (q = u / sum u), written directly:
   ``-(w / S) (P_t / (q_t + EPS) - sum_t' P_t' q_t' / (q_t' + EPS))``, P gathered into the
   gradient's row and exponentiated in the pass. No log and no autograd through a recompute of
@@ -105,28 +107,31 @@ def teacher_terms(logprobs: torch.Tensor, keys: torch.Tensor, in_image: torch.Te
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, teacher_at,
-             work):  # pragma: no cover - numba
+             work, grad, scale, g):  # pragma: no cover - numba
     """Per row r: kl[r] = the forward KL over all of V_t of teacher row lp[keys[r]] against
     q = u[r] inv_total[r] on I (0 elsewhere): sum_t P_t log P_t - log(EPS) * (P's mass
     outside I) - sum_{t in I} P_t log(q_t + eps), fp64 sums; at[r] = the first argmax of u[r];
     teacher_at[r] = the first argmax of the teacher row. One pass over the teacher row, a piece
     of _PIECE columns at a time: the logs of q on the piece's columns of I (image[cut[p]:
     cut[p + 1]]) spread into a piece-sized row of work (0 elsewhere), then the piece's exps
-    against it while it is in L1. ``work`` [rows, 2, _PIECE]."""
+    against it while it is in L1 (kept in work). ``grad``: also g[r] = scale[r] (c -
+    P / (q + eps)) on I, c = sum_t P q / (q + eps) (:func:`image_kl_grad`'s), P gathered
+    from the piece's exps. ``work`` [rows, 3, _PIECE]."""
     n_t = lp.shape[1]
     for r in prange(u.shape[0]):
         ur, row, inv = u[r], lp[keys[r]], inv_total[r]
-        spread, logs = work[r, 0], work[r, 1]
+        spread, logs, exps = work[r, 0], work[r, 1], work[r, 2]
         best_t, at_t = row[0], 0         # the first piece holding the teacher's largest value
         best_u, lo_u, hi_u = -math.inf, 0, 0  # and u's: the range of I that holds it
         plogp = 0.0
         out = 0.0
         cross = 0.0
+        c = 0.0
         for p in range(cut.shape[0] - 1):
             lo = p * _PIECE
             hi = min(lo + _PIECE, n_t)
             i0, i1 = cut[p], cut[p + 1]
-            piece, off, sp = row[lo:hi], outside[lo:hi], spread[: hi - lo]
+            piece, off, sp, ex = row[lo:hi], outside[lo:hi], spread[: hi - lo], exps[: hi - lo]
             if i1 > i0:
                 uu, lg, cols = ur[i0:i1], logs[: i1 - i0], image[i0:i1]
                 top = row_max(uu)
@@ -144,12 +149,26 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
                 best_t, at_t = top, lo
             for t in range(piece.shape[0]):
                 e = fast_exp(piece[t])
+                ex[t] = e
                 plogp += e * max(piece[t], -1e30)  # 0 log 0 = 0 at a -inf log-prob (e = 0)
                 out += e * off[t]
                 cross += e * sp[t]
+            if grad and i1 > i0:
+                uu, pp, cols, gr = ur[i0:i1], logs[: i1 - i0], image[i0:i1], g[r, i0:i1]
+                for k in range(cols.shape[0]):  # the gather on its own (as the spread)
+                    pp[k] = ex[cols[k] - lo]
+                for k in range(uu.shape[0]):
+                    q = uu[k] * inv
+                    d = pp[k] / (q + eps)
+                    gr[k] = d
+                    c += d * q
         kl[r] = plogp - log_eps * out - cross
         teacher_at[r] = at_t + first_argmax(row[at_t: min(at_t + _PIECE, n_t)])
         at[r] = lo_u + first_argmax(ur[lo_u:hi_u]) if hi_u > lo_u else 0
+        if grad:
+            gr, s = g[r], scale[r]
+            for k in range(gr.shape[0]):
+                gr[k] = s * (c - gr[k])
 
 
 def _scalar(value: float, like: torch.Tensor):
@@ -159,27 +178,57 @@ def _scalar(value: float, like: torch.Tensor):
 
 
 def image_kl(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor, image: torch.Tensor,
-             outside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             outside: torch.Tensor, weight: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(forward KL over all of V_t per row, column of I where u is largest, the teacher's
-    argmax over V_t) of the rows ``keys``: u [r, |I|] the projected student mass on I,
-    ``outside`` [V_t] 1 on the teacher columns outside I (0 on I) in the payload's dtype. The
-    teacher-only terms are taken in the same pass over each payload row (read once). Not
-    differentiable (the backward takes :func:`image_kl_grad`)."""
+    argmax over V_t, gradient or None) of the rows ``keys``: u [r, |I|] the projected student
+    mass on I, ``outside`` [V_t] 1 on the teacher columns outside I (0 on I) in the payload's
+    dtype. The teacher-only terms are taken in the same pass over each payload row (read
+    once). Not differentiable; with ``weight`` (a scalar or one per row) the same pass also
+    writes :func:`image_kl_grad`'s gradient (the payload rows not read a second time)."""
     rows, width = u.shape[0], logprobs.shape[1]
     kl = torch.zeros(rows, dtype=torch.float64)
     at = torch.zeros(rows, dtype=torch.int64)
     teacher_at = torch.zeros(rows, dtype=torch.int64)
+    grad = weight is not None
     if rows == 0 or width == 0:
-        return kl.to(u.dtype), at, teacher_at
+        return kl.to(u.dtype), at, teacher_at, torch.zeros_like(u) if grad else None
     u = u.detach().contiguous()
-    inv = 1.0 / u.sum(-1).clamp_min_(TINY)
+    sums, inv = _normaliser(u)
     cut = torch.searchsorted(image, torch.arange(-(-width // _PIECE) + 1) * _PIECE)
-    work = scratch("image_kl", rows * 2 * _PIECE, u.device, u.dtype).view(rows, 2, _PIECE)
+    work = scratch("image_kl", rows * 3 * _PIECE, u.device, u.dtype).view(rows, 3, _PIECE)
+    g = torch.empty_like(u) if grad else u.new_empty(rows, 0)
+    scale = _grad_scale(weight, inv) if grad else inv
     use_torch_threads()
     _kl_rows(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
              cut.numpy(), outside.numpy(), inv.numpy(), _scalar(EPS, u), math.log(EPS),
-             kl.numpy(), at.numpy(), teacher_at.numpy(), work.numpy())
-    return kl.to(u.dtype), at, teacher_at
+             kl.numpy(), at.numpy(), teacher_at.numpy(), work.numpy(), grad, scale.numpy(),
+             g.numpy())
+    if grad:
+        _floored_rows(g, u, sums, inv, scale, logprobs, keys, image)
+    return kl.to(u.dtype), at, teacher_at, g if grad else None
+
+
+def _normaliser(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum u, 1 / sum u floored at TINY) per row."""
+    sums = u.sum(-1)
+    return sums, 1.0 / sums.clamp_min(TINY)
+
+
+def _grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Per row weight / total: q = u / total, dq_t/du_k = (delta_tk - q_t [sum above TINY])
+    / total."""
+    return (weight.to(inv.dtype).expand(inv.shape[0]) * inv).contiguous()
+
+
+def _floored_rows(g, u, sums, inv, scale, logprobs, keys, image) -> None:
+    """Rows whose sum u falls under TINY: the floor holds the total, so the normalisation
+    contributes nothing there (as autograd's ``clamp_min``): -scale P / (q + EPS) alone."""
+    floored = sums < TINY
+    if bool(floored.any()):
+        q = u[floored] * inv[floored, None]
+        p = logprobs.index_select(0, keys[floored])[:, image].to(u.dtype).exp()
+        g[floored] = -scale[floored, None] * p / (q + EPS)
 
 
 def _rows_in_place(logprobs: torch.Tensor):
@@ -219,19 +268,12 @@ def image_kl_grad(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
     if rows == 0 or image.numel() == 0:
         return g.zero_()
     u = u.detach().contiguous()
-    sums = u.sum(-1)
-    total = sums.clamp_min(TINY)
-    inv = 1.0 / total
-    # q = u / total: dq_t/du_k = (delta_tk - q_t [sum above TINY]) / total
-    scale = weight.to(u.dtype).expand(rows) * inv
+    sums, inv = _normaliser(u)
+    scale = _grad_scale(weight, inv)
     use_torch_threads()
     _kl_grad(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
-             inv.numpy(), scale.contiguous().numpy(), _scalar(EPS, u), g.numpy())
-    floored = sums < TINY
-    if bool(floored.any()):  # no normalisation term: -scale p / (q + EPS) alone
-        q = u[floored] * inv[floored, None]
-        p = logprobs.index_select(0, keys[floored])[:, image].to(u.dtype).exp()
-        g[floored] = -scale[floored, None] * p / (q + EPS)
+             inv.numpy(), scale.numpy(), _scalar(EPS, u), g.numpy())
+    _floored_rows(g, u, sums, inv, scale, logprobs, keys, image)
     return g
 
 

@@ -125,6 +125,19 @@ class SampleWeighted:
         kl, t1 = self.kernel.kl(raw, keys, counts, top1)
         return kl * self._of_rows(keys, kl), t1
 
+    def kl_with_grad(self, raw, keys: torch.Tensor, counts: torch.Tensor,
+                     weight: torch.Tensor):
+        """The kernel's fused KL and direct gradient (if it has them), each row weighted."""
+        fused = getattr(self.kernel, "kl_with_grad", None)
+        if fused is None:
+            return None
+        rows = self._of_rows(keys, weight)
+        out = fused(raw, keys, counts, weight * rows)
+        if out is None:
+            return None
+        kl, t1, grad = out
+        return kl * rows.to(kl.dtype), t1, grad
+
     def raw_grad(self, raw, keys: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor):
         """The kernel's direct gradient (if it has one) with each row's weight scaled."""
         direct = getattr(self.kernel, "raw_grad", None)

@@ -374,13 +374,9 @@ class DenseKernel:
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         u = replicated_sum(raw["q"], self.tp_group)
         if self._direct(u) and not u.requires_grad:
-            kl, at, teacher_at = exact_rows.image_kl(u, self.logprobs, keys, self.proj.image,
-                                                     self.outside)
-            if not top1:
-                return kl, None
-            if self.proj.size == 0:
-                return kl, torch.zeros_like(at, dtype=torch.bool)
-            return kl, self.proj.image[at] == teacher_at
+            kl, at, teacher_at, _ = exact_rows.image_kl(u, self.logprobs, keys,
+                                                        self.proj.image, self.outside)
+            return kl, self._top1(at, teacher_at) if top1 else None
         q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
         log_q = torch.log(q + EPS)
         log_p = self.logprobs.index_select(0, keys).index_select(1, self.proj.image).to(q.dtype)
@@ -393,6 +389,24 @@ class DenseKernel:
         if not top1:
             return kl, None
         return kl, self.proj.image[u.argmax(-1)] == self.argmax.index_select(0, keys)
+
+    def _top1(self, at: torch.Tensor, teacher_at: torch.Tensor) -> torch.Tensor:
+        """Whether the projected mass's argmax (column ``at`` of I) is the teacher's."""
+        if self.proj.size == 0:
+            return torch.zeros_like(at, dtype=torch.bool)
+        return self.proj.image[at] == teacher_at
+
+    def kl_with_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Raw] | None:
+        """(:meth:`kl`, top-1, :meth:`raw_grad`) from one pass over each payload row, for a
+        forward that writes the gradient (CPU forward KL); None elsewhere."""
+        u = raw["q"]
+        if not self._direct(u):
+            return None
+        u = replicated_sum(u.detach(), self.tp_group)
+        kl, at, teacher_at, g = exact_rows.image_kl(u, self.logprobs, keys, self.proj.image,
+                                                    self.outside, weight)
+        return kl, self._top1(at, teacher_at), {"q": g}
 
     def _direct(self, u: torch.Tensor) -> bool:
         """Whether the forward KL on I takes :mod:`.exact_rows` (CPU): its value without

@@ -7,11 +7,14 @@ the kernel for the payload form and the blocks of positions (whole chunks, about
 and backward over them. Chunks held whole by the rank are finished with the TP reduction of their
 [rows, |K|] sums; chunks split over CP are summed over CP first. Backward recomputes the block's
 softmax from the saved log-partitions (never storing [T, V] probabilities) and writes the
-gradient block by block, so the extra memory is a few [block, V_local] buffers.
+gradient block by block, so the extra memory is a few [block, V_local] buffers. Given the
+loss's weights on its two sums (``loss_weights``, as training's one-teacher call), the forward
+writes the gradient instead and the backward scales it: nothing is made twice.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +61,14 @@ class _KDFunction(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, plan: StudentLossPlan):
         kd, ce = plan.forward(logits)
         ctx.plan = plan
-        ctx.save_for_backward(logits)
+        if not plan.grad_now:  # the forward wrote the gradient: the logits are not read again
+            ctx.save_for_backward(logits)
         return kd, ce
 
     @staticmethod
     def backward(ctx, g_kd, g_ce):
+        if ctx.plan.grad_now:
+            return ctx.plan.scaled_forward_grad(g_kd, g_ce), None
         (logits,) = ctx.saved_tensors
         return ctx.plan.backward(logits, g_kd, g_ce), None
 
@@ -89,6 +95,7 @@ def parallel_kd_loss(
     block_bytes: int | None = None,
     sample_weights: torch.Tensor | None = None,
     grad_into_logits: bool = False,
+    loss_weights: tuple[float, float] | None = None,
 ) -> KDTerms:
     """Local KD (and optionally CE) sums of one microbatch; see the package docstring.
 
@@ -112,6 +119,16 @@ def parallel_kd_loss(
     [B, T, V_local] buffer; only where no other user reads the logits after this call's
     backward (autograd runs backwards in reverse order of creation: the first of several calls
     on them, or the only one; another user that saved them and runs later raises).
+    ``loss_weights`` (a, b): the caller's loss takes the two sums as s * (a * kd_sum +
+    b * ce_sum) for some scalar s (e.g. the global-batch weights over their denominators).
+    The forward then writes the logits' gradient of a * kd_sum + b * ce_sum block by block
+    from the softmax and sums it has just made, and the backward only multiplies it by s: no
+    block's softmax, projection or pass over the teacher rows is made twice (the backward's
+    recompute; a quarter of the exact form's time on CPU). Upstream gradients in another ratio
+    raise. Taken when the logits require a gradient under grad mode and no chunk is split over
+    CP (otherwise the usual backward). With ``grad_into_logits`` the forward writes it over
+    the logits: this call must then be the logits' last reader, forward and backward (one
+    teacher's call); without it the gradient's buffer lives from the forward to the backward.
     """
     if student_logits.dim() != 3:
         raise ValueError(f"student logits must be [B, T, V_local], got {tuple(student_logits.shape)}")
@@ -156,13 +173,30 @@ def parallel_kd_loss(
                 raise ValueError(f"sample_weights must be [B] = [{b}], got "
                                  f"{tuple(sample_weights.shape)}")
             kernel = SampleWeighted(kernel, sample_weights.to(dev), payload.spec.num_chunks)
+    grad_weights = None
+    if loss_weights is not None:
+        grad_weights = _checked_weights(loss_weights)
+        if not (torch.is_grad_enabled() and student_logits.requires_grad):
+            grad_weights = None  # no backward to serve
     plan = StudentLossPlan(rows=rows, kernel=kernel or NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused,
-                 grad_into_logits=grad_into_logits)
+                 grad_into_logits=grad_into_logits, grad_weights=grad_weights)
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
     return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
+
+
+def _checked_weights(weights) -> tuple[float, float]:
+    """``loss_weights`` as two finite floats, or a clear error."""
+    try:
+        a, b = (float(w) for w in weights)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"loss_weights must be two numbers (the loss's weights on kd_sum and "
+                         f"ce_sum), got {weights!r}") from err
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise ValueError(f"loss_weights must be finite, got {weights!r}")
+    return a, b
 
 
 def _longest(rows: ChunkRows) -> int:

@@ -7,7 +7,10 @@ by the rank are finished from their TP-reduced sums, chunks split over CP are su
 first. Backward recomputes each block's softmax from the saved log-partitions and writes the
 gradient block by block. Kernels that read only the logits and log-partitions (gold, CE alone)
 take no softmax buffer on CPU: log-partitions alone in the forward, the gradient written from
-the logits in the backward (:mod:`.cpu_rows`).
+the logits in the backward (:mod:`.cpu_rows`). When the caller gives the loss's weights on the
+KD and CE sums ahead (``grad_weights``), the forward writes each block's gradient right after
+its sums, from the softmax and raw sums at hand (the exact form on CPU: its KL and gradient
+from one pass over the teacher rows), and the backward only scales it.
 """
 
 from __future__ import annotations
@@ -32,8 +35,15 @@ class StudentLossPlan:
     def __init__(self, *, rows: ChunkRows, kernel, num_real: int, vocab_start: int,
                  temperature: float, labels: torch.Tensor | None, tp_group: Group,
                  cp_group: Group, max_block: int, fused: bool = False,
-                 grad_into_logits: bool = False) -> None:
+                 grad_into_logits: bool = False,
+                 grad_weights: tuple[float, float] | None = None) -> None:
         self.rows, self.kernel = rows, kernel
+        # (a, b): the caller's loss is s * (a * kd + b * ce) for a scalar s. The forward then
+        # writes the gradient of a * kd + b * ce block by block, from the softmax and raw sums
+        # it has just made, and the backward only scales it by s (see ``_forward_grad``).
+        self.grad_weights = grad_weights
+        self.grad_now = False
+        self.block_grad: Raw | None = None  # the block's raw gradient, made with its KL
         # The backward writes the logits' gradient over the logits (Megatron's CE does the
         # same): no [positions, V] gradient allocated. Not with the fused GPU passes (their
         # whole-call block keeps its own buffer).
@@ -137,6 +147,11 @@ class StudentLossPlan:
         self.extra = torch.empty(n_pos, **opts) if self.tail is not None else None
         acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
         raws, split_buf = [], None
+        # The label's logit is read before any block's gradient may be written over it.
+        picked = self._picked(logits2d) if self.labels is not None else None
+        self.grad_now = self._can_grad_now()
+        if self.grad_now:
+            self._start_grad_now(logits)
         for index, blk in enumerate(rows.blocks):
             if self.fused:  # the block's logits as they are; no softmax buffer
                 x, probs = logits2d[blk.start: blk.end, : self.num_real], None
@@ -149,12 +164,17 @@ class StudentLossPlan:
                 probs = self._workspace(blk.end - blk.start, x, "p")
                 lz_local = self._partition(x, probs, logits2d, blk.start, blk.end)
             if blk.row_end == blk.row_start:
+                if self.grad_now:
+                    self._grad_now(logits2d, blk, index, x, probs, None)
                 continue
             data = self._block(x, probs, lz_local, blk, index)
             raw = kernel.raw(data)
             if kernel.per_block:
                 split_buf = self._stash_split(raw, blk, split_buf, index)
                 acc[:2] += self._finish_local(raw, blk, index)
+                if self.grad_now:
+                    self._grad_now(logits2d, blk, index, x, probs, raw, self.block_grad)
+                    self.block_grad = None
             else:
                 raws.append(raw)
         if not kernel.per_block:
@@ -168,19 +188,23 @@ class StudentLossPlan:
                 split_buf = self._stash_split(self.raw_all, None, split_buf)
         acc[:2] += self._finish_split(split_buf, logits2d)
         if self.labels is not None:
-            acc[2] += self._ce_sum(logits2d)
+            acc[2] += self._ce_sum(picked)
         self.kd_count = rows.owned.sum().double()
         self.top1 = acc[1]
         self.ce_count = (torch.zeros((), dtype=torch.float64) if self.labels is None
                          else (self.labels >= 0).sum().double())
         return (acc[0] * self.temp ** 2).to(self.dtype), acc[2].to(self.dtype)
 
-    def _ce_sum(self, logits2d: torch.Tensor) -> torch.Tensor:
-        """Next-token CE summed over the labelled positions, for all blocks at once: the
-        label's logit (gathered by the shard that holds it, summed over TP) against the saved
-        log-partitions."""
+    def _picked(self, logits2d: torch.Tensor) -> torch.Tensor:
+        """Each position's label logit, gathered by the shard that holds it (0 on the
+        others): what CE takes from the logits besides their log-partitions."""
         picked = logits2d.gather(1, self.label_col)[:, 0].to(self.dtype)
-        picked = all_reduce(picked.mul_(self.label_local), self.tp_group)
+        return picked.mul_(self.label_local)
+
+    def _ce_sum(self, picked: torch.Tensor) -> torch.Tensor:
+        """Next-token CE summed over the labelled positions, for all blocks at once: the
+        label's logit (:meth:`_picked`, summed over TP) against the saved log-partitions."""
+        picked = all_reduce(picked, self.tp_group)
         logz1 = self.logz1 if self._ce_extra else self.logz
         return ((logz1 - picked) * self.has_label).sum()
 
@@ -278,6 +302,13 @@ class StudentLossPlan:
         counts = rows.count[blk.row_start: blk.row_end]
         if not rows.all_local(index):  # else all rows, in order: no [rows, V] copies
             raw, keys, counts = _take(raw, sel), keys[sel], counts[sel]
+        elif self.grad_now:  # the KL and its gradient from one pass, where the kernel can
+            fused = getattr(self.kernel, "kl_with_grad", None)
+            out = None if fused is None else fused(raw, keys, counts,
+                                                   self.grad_kd * (self.temp * self.temp))
+            if out is not None:
+                kl, t1, self.block_grad = out
+                return torch.stack([kl.double().sum(), t1.double().sum()])
         kl, t1 = self.kernel.kl(raw, keys, counts)
         return torch.stack([kl.double().sum(), t1.double().sum()])
 
@@ -295,6 +326,65 @@ class StudentLossPlan:
         owner = rows.split_owner == group_rank(self.cp_group)
         kl, t1 = self.kernel.kl(buf, rows.split_keys, rows.key_count[rows.split_keys])
         return torch.stack([(kl.double() * owner).sum(), (t1.double() * owner).sum()])
+
+    # ----------------------------------------------------------------- forward's gradient
+    def _can_grad_now(self) -> bool:
+        """Whether the forward writes the gradient (:attr:`grad_weights` given): every block
+        must be finished in the forward, so not with chunks split over CP (their sums wait
+        for the CP all-reduce) nor with kernels that finish all rows together; nor with the
+        fused GPU passes (their whole-call block has its own writer). The same on every rank
+        (the rows' split is global)."""
+        return (self.grad_weights is not None and not self.fused
+                and self.rows.split_keys.numel() == 0
+                and (self.kernel.per_block or self.rows.num_rows == 0))
+
+    def _start_grad_now(self, logits: torch.Tensor) -> None:
+        """The gradient's buffer and CE's coefficients at upstream weight b."""
+        a, b = self.grad_weights
+        self.grad_full = self._gradient_buffer(logits)
+        self.grad_ce = self._ce_terms(torch.tensor(b, dtype=self.dtype, device=logits.device))
+        self.grad_kd = torch.tensor(a, dtype=self.dtype, device=logits.device)
+
+    def _grad_now(self, logits2d: torch.Tensor, blk, index: int, x: torch.Tensor,
+                  probs: torch.Tensor | None, raw: Raw | None,
+                  raw_grad: Raw | None = None) -> None:
+        """Block ``blk``'s gradient of a * kd + b * ce, written by the forward right after its
+        sums: its softmax (``probs``, written over), raw sums and (where the kernel made it
+        with the KL) their gradient are at hand, so nothing is recomputed."""
+        grad = self.grad_full.view(-1, self.grad_full.shape[-1])
+        self._write_block(grad, logits2d, blk, index, (None, None, self.grad_kd), self.grad_ce,
+                          x=x, probs=probs, raw=raw, raw_grad=raw_grad)
+
+    def scaled_forward_grad(self, g_kd: torch.Tensor | None, g_ce: torch.Tensor | None
+                            ) -> torch.Tensor:
+        """The backward of a call whose forward wrote the gradient of a * kd + b * ce: that
+        gradient times s, where (g_kd, g_ce) = s (a, b). Upstream gradients in another ratio
+        cannot be served (the recompute's inputs are gone): a clear error. The logits are not
+        saved for it (saving a tensor the forward then wrote over fails to unpack when the
+        logits are a custom Function's view, as a loss clock's identity)."""
+        a, b = self.grad_weights
+        # A sum that does not depend on these logits (no chunk rows here; no labels) takes
+        # any upstream gradient.
+        terms = [(name, 0.0 if g is None else float(g), w)
+                 for name, g, w, live in (("kd_sum", g_kd, a, self.rows.num_rows > 0),
+                                          ("ce_sum", g_ce, b, self.labels is not None))
+                 if live]
+        scale = next((got / w for _, got, w in terms if w != 0.0), 0.0)
+        for name, got, weight in terms:
+            want = scale * weight
+            if abs(got - want) > 1e-5 * max(abs(got), abs(want)) + 1e-30:
+                raise RuntimeError(
+                    f"parallel_kd_loss(loss_weights=({a!r}, {b!r})) wrote the gradient of "
+                    f"{a!r} * kd_sum + {b!r} * ce_sum in its forward, but the backward got "
+                    f"{got!r} for {name} (expected {want!r}, the loss's other term gave scale "
+                    f"{scale!r}): pass the weights the loss applies to the two sums, or none")
+        grad = self.grad_full
+        del self.grad_full
+        if scale != 1.0:
+            grad.mul_(scale)
+        if self.into_logits:  # another autograd user of these logits now fails loudly
+            torch.autograd.graph.increment_version(grad)  # (shares the logits' counter)
+        return grad
 
     # ----------------------------------------------------------------- backward
     def _grad_of(self, raw: Raw, keys, counts, weight) -> Raw:
@@ -321,14 +411,8 @@ class StudentLossPlan:
         g_kd = (torch.zeros((), device=dev) if g_kd is None else g_kd).to(self.dtype)
         g_ce = (torch.zeros((), device=dev) if g_ce is None else g_ce).to(self.dtype)
         logits2d = logits.view(-1, logits.shape[-1])
-        # In place, a block's gradient may overwrite its own logits directly only where
-        # nothing reads them afterwards (the logits-only path without CE's second softmax);
-        # elsewhere it goes through a block workspace. Blocks read only their own positions.
-        grad_full = logits.detach() if self.into_logits else torch.empty_like(logits)
-        alias_ok = not self.into_logits or (self.logits_only and not self._ce_extra)
+        grad_full = self._gradient_buffer(logits)
         grad = grad_full.view(-1, logits.shape[-1])
-        if self.num_real < grad.shape[1]:
-            grad[:, self.num_real:] = 0
         g_split = None
         if self.split_raw is not None:  # weighted by the owning CP rank's upstream gradient
             owner_g = torch.stack(all_gather(g_kd.reshape(1), self.cp_group))[:, 0]
@@ -344,69 +428,108 @@ class StudentLossPlan:
                 g_all[k][local] = g_local[k]
                 if g_split is not None and split.numel():
                     g_all[k][split] = g_split[k][rows.split_slot[split]]
-        # Per position, for all blocks at once: CE's weight g_ce * has_label, folded into the
-        # KD gradient's coefficient when CE shares the softmax (T = 1), and the -weight that
-        # CE puts on the label's column (0 where the label is on another shard).
+        ce = self._ce_terms(g_ce)
+        for index, blk in enumerate(rows.blocks):
+            self._write_block(grad, logits2d, blk, index, (g_all, g_split, g_kd), ce)
+        if self.into_logits:  # another autograd user of these logits now fails loudly
+            torch.autograd.graph.increment_version(logits)
+        return grad_full
+
+    def _gradient_buffer(self, logits: torch.Tensor) -> torch.Tensor:
+        """Where the logits' gradient goes: over the logits (``into_logits``) or a new
+        [B, T, V_local] tensor; the padded columns zeroed."""
+        grad_full = logits.detach() if self.into_logits else torch.empty_like(logits)
+        if self.num_real < grad_full.shape[-1]:
+            grad_full[..., self.num_real:] = 0
+        return grad_full
+
+    def _ce_terms(self, g_ce: torch.Tensor):
+        """Per position, for all blocks at once: CE's weight g_ce * has_label, the part of it
+        folded into the KD gradient's coefficient (CE shares the softmax at T = 1; else a
+        zero coefficient) and the -weight that CE puts on the label's column (0 where the
+        label is on another shard). Nones without labels."""
         ce_scale = ce_coef = ce_label = None
         if self.labels is not None:
             ce_scale = g_ce * self.has_label
             ce_label = torch.where(self.label_local, -ce_scale, 0.0)[:, None]
             if not self._ce_extra:
                 ce_coef = ce_scale
-        no_coef = (torch.zeros(self.max_block, dtype=self.dtype, device=dev)
+        no_coef = (torch.zeros(self.max_block, dtype=self.dtype, device=self.lz_local.device)
                    if ce_coef is None else None)
-        for index, blk in enumerate(rows.blocks):
-            out = grad[blk.start: blk.end, : self.num_real]
-            has_rows = blk.row_end > blk.row_start
-            if not has_rows and self.labels is None:
-                out.zero_()
-                continue
-            n = blk.end - blk.start
-            # Fused: any dtype is written in place (low-precision gradients exactly; see
-            # fused_grad); otherwise an fp32 buffer unless the gradient is one already.
-            direct = (out.is_contiguous() and (self.fused or out.dtype == self.dtype)
-                      and alias_ok)
-            dx = out if direct else self._workspace(n, out, "dx")
-            coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
-            args = (dx, logits2d, blk, index, coef, (g_all, g_split, g_kd), ce_scale, ce_label)
-            if self.fused:
-                self._block_backward_fused(*args)
-            else:
-                self._block_backward(*args)
-            if not direct:
-                out.copy_(dx)
-        if self.into_logits:  # another autograd user of these logits now fails loudly
-            torch.autograd.graph.increment_version(logits)
-        return grad_full
+        return ce_scale, ce_coef, ce_label, no_coef
 
-    def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label
-                        ) -> None:
+    def _write_block(self, grad: torch.Tensor, logits2d: torch.Tensor, blk, index: int, grads,
+                     ce, x: torch.Tensor | None = None, probs: torch.Tensor | None = None,
+                     raw: Raw | None = None, raw_grad: Raw | None = None) -> None:
+        """Block ``blk``'s gradient into its rows of ``grad`` [positions, V_local]. From the
+        forward (``_grad_now``): its ``x``, softmax ``probs`` (written over) and raw sums, so
+        nothing is recomputed; from the backward: all recomputed."""
+        ce_scale, ce_coef, ce_label, no_coef = ce
+        out = grad[blk.start: blk.end, : self.num_real]
+        has_rows = blk.row_end > blk.row_start
+        if not has_rows and self.labels is None:
+            out.zero_()
+            return
+        n = blk.end - blk.start
+        coef = no_coef[:n] if ce_coef is None else ce_coef[blk.start: blk.end]
+        args = (logits2d, blk, index, coef, grads, ce_scale, ce_label)
+        if self.fused:  # any dtype is written in place (low-precision gradients exactly; see
+            # fused_grad)
+            dx = out if out.is_contiguous() else self._workspace(n, out, "dx")
+            self._block_backward_fused(dx, *args)
+            if dx is not out:
+                out.copy_(dx)
+            return
+        # In place, a block's gradient may overwrite its own logits directly only where
+        # nothing reads them afterwards (the logits-only path without CE's second softmax);
+        # elsewhere it goes through a block workspace (from the forward: its softmax buffer).
+        # Blocks read only their own positions.
+        alias_ok = not self.into_logits or (self.logits_only and not self._ce_extra)
+        if probs is not None:
+            dx = probs
+        elif out.is_contiguous() and out.dtype == self.dtype and alias_ok:
+            dx = out
+        else:
+            dx = self._workspace(n, out, "dx")
+        self._block_backward(dx, *args, x=x, softmax_ready=probs is not None,
+                             known=(raw, raw_grad))
+        if dx is not out:
+            out.copy_(dx)
+
+    def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label,
+                        x: torch.Tensor | None = None, softmax_ready: bool = False,
+                        known: tuple[Raw | None, Raw | None] = (None, None)) -> None:
         """A block's gradient into ``dx`` (contiguous, compute dtype): its softmax, then the
-        kernel's and CE's terms in place (``logits_only``: written from the logits)."""
+        kernel's and CE's terms in place (``logits_only``: written from the logits).
+        ``softmax_ready``: dx holds the block's softmax already; ``x``, ``known``: the block's
+        logits / T and (raw sums, their gradient) where the forward has them."""
         lz_local = self.lz_local[blk.start: blk.end]
-        x = self._x(logits2d, blk.start, blk.end)
+        if x is None:
+            x = self._x(logits2d, blk.start, blk.end)
         if self.logits_only:  # the kernel writes dx from the logits (no softmax pass here)
             if blk.row_end > blk.row_start:
                 data = self._block(x, None, lz_local, blk, index)
-                self.kernel.backward_block(data, self._block_grad(data, *grads, blk),
+                self.kernel.backward_block(data, self._block_grad(data, *grads, blk, *known),
                                            1.0 / self.temp, coef, dx)
             else:
                 cpu_rows.exp_spread_(dx, x, lz_local,
                                      coef * self._factor(lz_local, blk.start, blk.end))
         else:
-            self._softmax_backward(dx, x, lz_local, blk, index, coef, grads)
+            if not softmax_ready:
+                torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
+            self._softmax_backward(dx, x, lz_local, blk, index, coef, grads, known)
         if self._ce_extra:
             self._ce_extra_backward(dx, logits2d, blk.start, blk.end, ce_scale)
         if self.labels is not None and dx.shape[1]:  # CE's -weight on the label's column
             dx.scatter_add_(1, self.label_col[blk.start: blk.end], ce_label[blk.start: blk.end])
 
-    def _softmax_backward(self, dx, x, lz_local, blk, index: int, coef, grads) -> None:
-        """The kernel's part of a block's gradient from the block's softmax, written into
-        ``dx`` first."""
-        torch.ops.aten._softmax.out(x, 1, False, out=dx)  # this shard's softmax
+    def _softmax_backward(self, dx, x, lz_local, blk, index: int, coef, grads,
+                          known: tuple[Raw | None, Raw | None] = (None, None)) -> None:
+        """The kernel's part of a block's gradient from the block's softmax, held in ``dx``
+        and written over."""
         if blk.row_end > blk.row_start:
             data = self._block(x, dx, lz_local, blk, index)
-            self.kernel.backward_block(data, self._block_grad(data, *grads, blk),
+            self.kernel.backward_block(data, self._block_grad(data, *grads, blk, *known),
                                        1.0 / self.temp, coef, dx)
         else:
             dx.mul_((coef * self._factor(lz_local, blk.start, blk.end))[:, None])
@@ -447,12 +570,17 @@ class StudentLossPlan:
             lz1, b = self.lz1_local[start:end], self._ce_weight(ce_scale, start, end)
         return FusedGradWriter(dx, z, 1.0 / self.temp, self.lz_local[start:end], lz1, b)
 
-    def _block_grad(self, data: BlockData, g_all, g_split, g_kd, blk) -> Raw:
-        """Gradient of the KD sum with respect to the block rows' raw sums."""
+    def _block_grad(self, data: BlockData, g_all, g_split, g_kd, blk, raw: Raw | None = None,
+                    raw_grad: Raw | None = None) -> Raw:
+        """Gradient of the KD sum with respect to the block rows' raw sums (``raw``: the
+        forward's, else recomputed; ``raw_grad``: the gradient itself, made with the KL)."""
         rows, kernel = self.rows, self.kernel
+        if raw_grad is not None:
+            return raw_grad
         if g_all is not None:
             return {k: v[blk.row_start: blk.row_end] for k, v in g_all.items()}
-        raw = kernel.raw(data)  # per-block kernels: recompute, then the KL's gradient
+        if raw is None:  # per-block kernels: recompute, then the KL's gradient
+            raw = kernel.raw(data)
         keys = rows.keys[blk.row_start: blk.row_end]
         counts = rows.count[blk.row_start: blk.row_end]
         if rows.all_local(data.index):  # all rows, in order: no [rows, V] copies

@@ -204,12 +204,15 @@ class KDObjective:
 
     def student_terms(self, logits: torch.Tensor, batch: dict,
                       payload_rows: torch.Tensor | None = None, with_ce: bool = True,
-                      grad_into_logits: bool = False):
+                      grad_into_logits: bool = False,
+                      loss_weights: tuple[float, float] | None = None):
         """Local KD and CE sums of one student microbatch (student's last stage). Without
         ``payload_rows`` (the microbatch's flat teacher payloads, [b, numel]) CE alone.
         ``with_ce=False``: KD only (another teacher's call takes the CE).
         ``grad_into_logits``: the backward overwrites the logits with their gradient (for the
-        loss call whose backward reads them last; see :func:`parallel_kd_loss`)."""
+        loss call whose backward reads them last; see :func:`parallel_kd_loss`).
+        ``loss_weights``: the loss's weights on the KD and CE sums, known ahead: the forward
+        writes the gradient (see :func:`parallel_kd_loss`)."""
         groups = self.student
         width = logits.shape[1] * groups.layout.cp
         payload = pred = None
@@ -227,7 +230,8 @@ class KDObjective:
             common_student_ids=self.common_student,
             labels=self.labels(batch) if with_ce else None,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp,
-            sample_weights=batch.get("sample_weight"), grad_into_logits=grad_into_logits)
+            sample_weights=batch.get("sample_weight"), grad_into_logits=grad_into_logits,
+            loss_weights=loss_weights)
 
 
 def first_token_heads_of(matrix, student_tokenizer: str, teacher_tokenizer: str,

@@ -173,9 +173,11 @@ class StudentSide:
             # runs last (autograd runs nodes in reverse order of creation), after every other
             # teacher's has read them; were it ever earlier, their backward would raise (the
             # logits' version is bumped), not read a gradient.
-            terms = [self._teacher_terms(kd, k, micro, logits, over_logits=k == 0)
-                     for k, kd in enumerate(kds)]
             weights = list(combination.weights)
+            ahead = self._loss_weights(weights, denominators, n_tokens)
+            terms = [self._teacher_terms(kd, k, micro, logits, over_logits=k == 0,
+                                         loss_weights=ahead)
+                     for k, kd in enumerate(kds)]
         loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=cfg.ce_weight,
                                 dynamic_scaling=cfg.kd_dynamic_scaling,
                                 kd_denominators=denominators, ce_denominator=n_tokens,
@@ -189,11 +191,25 @@ class StudentSide:
         self.times.loss += device_now(self.device) - t0
         return scaled, torch.tensor(1, dtype=torch.int), {"report": torch.stack(report)}
 
+    def _loss_weights(self, weights: list[float], denominators: list[float | None],
+                      n_tokens: float) -> tuple[float, float] | None:
+        """The weights :func:`combined_loss` puts on the one teacher's KD sum and on the CE
+        sum, known before the loss call (global-batch denominators, no dynamic scaling): the
+        call then writes its gradient in the forward (``loss_weights``), and its backward
+        recomputes nothing. None with several teachers (teacher 0's call writes over the
+        logits, which the later-made calls still read) or dynamic scaling (the weights come
+        from the microbatch's sums)."""
+        if len(weights) != 1 or denominators[0] is None or self.side_config.kd_dynamic_scaling:
+            return None
+        return (weights[0] / max(float(denominators[0]), 1.0),
+                self.side_config.ce_weight / max(float(n_tokens), 1.0))
+
     @staticmethod
     def _teacher_terms(kd: KDObjective, k: int, micro: Microbatch, logits: torch.Tensor,
-                       over_logits: bool = False):
+                       over_logits: bool = False, loss_weights: tuple[float, float] | None = None):
         """Teacher k's KD sums of a micro-batch (teacher 0's call also takes the CE); under
-        selection only over the samples it teaches, and no work when it teaches none."""
+        selection only over the samples it teaches, and no work when it teaches none.
+        ``loss_weights``: see :meth:`_loss_weights` (one teacher)."""
         view = teacher_view(micro.batch, k)
         taught = micro.taught_by(k)
         if taught is not None:
@@ -202,7 +218,7 @@ class StudentSide:
                 return KDTerms(zero, zero.detach(), zero.detach(), zero, zero.detach())
             view = dict(view, chunk_valid=view["chunk_valid"] & taught[:, None])
         return kd.student_terms(logits, view, micro.payloads[k], with_ce=k == 0,
-                                grad_into_logits=over_logits)
+                                grad_into_logits=over_logits, loss_weights=loss_weights)
 
     def train_step(self, samples: dict[int, dict], payloads: list[dict[int, torch.Tensor]] | None,
                    kds: list[KDObjective], combination: Combination,

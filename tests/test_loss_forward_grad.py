@@ -1,0 +1,180 @@
+"""``parallel_kd_loss(..., loss_weights=(a, b))``: the forward writes the gradient of
+a * kd_sum + b * ce_sum from the softmax and raw sums it has just made, the backward scales it.
+
+Against the float64 reference (``reference.kd_loss``, torch's ``cross_entropy``) for the forms
+that have one, into the logits and into a buffer of its own, over several blocks, a padded
+vocabulary and T != 1; the top-k forms and sample weights against the default call. The
+kernel's raw sums are made once per block (no recompute in the backward); upstream gradients
+in another ratio raise; without a backward to serve (no grad mode) nothing is written.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_loss_grad_into_logits import EXACT, _case, _payload
+
+from megatron_xdistill.loss import exact_rows, kernels, parallel_kd_loss
+from megatron_xdistill.loss.common import predicting_chunk_id
+from megatron_xdistill.loss.kernel_choice import NoKernel
+from megatron_xdistill.loss.kernels import GoldKernel
+
+
+def _call(case, logits, mode, form, temperature, with_ce, into, weights, sample_weights=None):
+    payload, common = _payload(case, mode, form, temperature)
+    return parallel_kd_loss(
+        logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
+        case.chunk_exact, case.projection_rows(logits.shape[-1]), student_vocab_size=case.vs,
+        mode="pkl" if mode == "ce" else mode, temperature=temperature,
+        common_student_ids=common, labels=case.labels if with_ce else None,
+        block_bytes=4 * logits.shape[-1] * 7, grad_into_logits=into,  # several blocks
+        loss_weights=weights, sample_weights=sample_weights)
+
+
+def _counts(case, mode, form, temperature, with_ce):
+    """(kd_count, ce_count) of the configuration: what a trainer knows before the call."""
+    with torch.no_grad():
+        terms = _call(case, case.student_logits.float().clone(), mode, form, temperature,
+                      with_ce, False, None)
+    return max(float(terms.kd_count), 1.0), max(float(terms.ce_count), 1.0)
+
+
+def _grad(case, mode, form, temperature, with_ce, into, weighted, scale=3.0,
+          sample_weights=None, counts=None):
+    """(loss, gradient) of scale * (kd / kd_count + ce / ce_count), with ``loss_weights`` if
+    ``weighted``."""
+    n_kd, n_ce = counts or _counts(case, mode, form, temperature, with_ce)
+    weights = (1.0 / n_kd, 1.0 / n_ce if with_ce else 0.0) if weighted else None
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    terms = _call(case, logits, mode, form, temperature, with_ce, into, weights,
+                  sample_weights)
+    loss = terms.ce_sum / n_ce if with_ce else torch.zeros(())
+    if mode != "ce":
+        loss = loss + terms.kd_sum / n_kd
+    (scale * loss).backward()
+    return loss.item(), logits.grad
+
+
+@pytest.mark.parametrize("mode,form,temperature,with_ce", EXACT,
+                         ids=[f"{m}-{f}-T{t}{'-ce' if c else ''}" for m, f, t, c in EXACT])
+@pytest.mark.parametrize("into", [True, False], ids=["over-logits", "own-buffer"])
+@pytest.mark.parametrize("path", ["logits", "softmax"])
+def test_forward_gradient_matches_reference(monkeypatch, mode, form, temperature, with_ce, into,
+                                            path):
+    """fp32: loss rel 1e-5 and gradient 1e-5 of its largest entry against float64 (times the
+    loss's scale 3), zeros on the padded columns; both CPU paths (logits only; the softmax
+    buffer a GPU takes, forced here)."""
+    if path == "softmax":
+        for kernel in (GoldKernel, NoKernel):
+            monkeypatch.setattr(kernel, "needs_softmax", staticmethod(lambda like: True))
+    case = _case()
+    loss, grad = _grad(case, mode, form, temperature, with_ce, into, weighted=True)
+    ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
+    ref_grad = 3.0 * ref_grad
+    assert loss == pytest.approx(ref, rel=1e-5)
+    scale = ref_grad.abs().max().item()
+    torch.testing.assert_close(grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
+                               atol=1e-5 * scale)
+    assert torch.count_nonzero(grad[..., case.vs:]) == 0
+
+
+@pytest.mark.parametrize("form", ["topk", "chunk_topk"])
+@pytest.mark.parametrize("with_ce", [False, True], ids=["kd", "kd-ce"])
+def test_topk_forms_forward_gradient_equals_the_default_call(form, with_ce):
+    """The top-k forms (no dense reference) give the default call's gradient."""
+    case = _case()
+    loss, grad = _grad(case, "pkl", form, 1.0, with_ce, True, weighted=True)
+    loss0, grad0 = _grad(case, "pkl", form, 1.0, with_ce, False, weighted=False)
+    assert loss == loss0
+    torch.testing.assert_close(grad, grad0, rtol=1e-6, atol=1e-7)
+
+
+def test_sample_weights_forward_gradient_equals_the_default_call():
+    case = _case()
+    weights = torch.tensor([0.5, 2.0, 1.0])
+    _, grad = _grad(case, "pkl", "full", 1.0, True, True, weighted=True,
+                    sample_weights=weights)
+    _, grad0 = _grad(case, "pkl", "full", 1.0, True, False, weighted=False,
+                     sample_weights=weights)
+    torch.testing.assert_close(grad, grad0, rtol=1e-6, atol=1e-7)
+
+
+def test_raw_sums_are_made_once_per_block(monkeypatch):
+    """The exact form's projection runs once per block with ``loss_weights`` (the backward
+    recomputes none) and its gradient comes from the KL's own pass over the payload rows;
+    without, the projection runs twice and the gradient takes a pass of its own."""
+    calls, grads = [], []
+    raw = kernels.DenseKernel.raw
+    monkeypatch.setattr(kernels.DenseKernel, "raw",
+                        lambda self, blk: calls.append(blk.index) or raw(self, blk))
+    grad = exact_rows.image_kl_grad
+    monkeypatch.setattr(exact_rows, "image_kl_grad",
+                        lambda *a, **k: grads.append(1) or grad(*a, **k))
+    case = _case()
+    counts = _counts(case, "pkl", "full", 1.0, True)
+    calls.clear()
+    _grad(case, "pkl", "full", 1.0, True, True, weighted=True, counts=counts)
+    once = list(calls)
+    assert not grads
+    calls.clear()
+    _grad(case, "pkl", "full", 1.0, True, True, weighted=False, counts=counts)
+    assert len(set(once)) > 2 and sorted(once) == sorted(set(once))
+    assert sorted(calls) == sorted(once + once)
+    assert len(grads) == len(once)
+
+
+def test_upstream_gradients_in_another_ratio_raise():
+    """kd and ce weighted 1 : 1 in the loss, declared 1 : 2: the backward cannot serve it."""
+    case = _case()
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    terms = _call(case, logits, "pkl", "full", 1.0, True, True, (1.0, 2.0))
+    with pytest.raises(RuntimeError, match=r"loss_weights=\(1.0, 2.0\).*ce_sum"):
+        (terms.kd_sum + terms.ce_sum).backward()
+
+
+@pytest.mark.parametrize("bad", [(1.0,), ("a", 1.0), (float("nan"), 1.0)])
+def test_bad_loss_weights_raise(bad):
+    case = _case()
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="loss_weights"):
+        _call(case, logits, "pkl", "full", 1.0, True, True, bad)
+
+
+def test_no_gradient_written_without_a_backward():
+    """Under no_grad the forward leaves the logits as they are (nothing to serve)."""
+    case = _case()
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    before = logits.detach().clone()
+    with torch.no_grad():
+        terms = _call(case, logits, "pkl", "full", 1.0, True, True, (1.0, 1.0))
+    ref, _ = case.reference_loss("pkl", 1.0, True)
+    assert (terms.kd_sum / terms.kd_count + terms.ce_sum / terms.ce_count).item() == \
+        pytest.approx(ref, rel=1e-5)
+    assert torch.equal(logits.detach(), before)
+
+
+class _Identity(torch.autograd.Function):
+    """An identity that returns a view of its input (as training's loss clock)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_logits_from_a_custom_functions_view_take_the_forward_gradient():
+    """Logits that are a custom Function's view (written over in the forward, never saved):
+    the gradient reaches the leaf, equal to the reference."""
+    case = _case()
+    n_kd, n_ce = _counts(case, "pkl", "full", 1.0, True)
+    leaf = case.student_logits.float().clone().requires_grad_(True)
+    terms = _call(case, _Identity.apply(leaf * 1.0), "pkl", "full", 1.0, True, True,
+                  (1.0 / n_kd, 1.0 / n_ce))
+    (terms.kd_sum / n_kd + terms.ce_sum / n_ce).backward()
+    _, ref_grad = case.reference_loss("pkl", 1.0, True)
+    scale = ref_grad.abs().max().item()
+    torch.testing.assert_close(leaf.grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
+                               atol=1e-5 * scale)
