@@ -201,13 +201,35 @@ runs alternated, 1 thread, V_s 49,152, s per forward + backward, CPU-time ratio 
   while Numba's run on the same two cores; with OMP_WAIT_POLICY=PASSIVE 3.44 s (5.4x).
   (torchrun's one thread a rank has neither.)
 
+The gradient written by the forward (``parallel_kd_loss(..., loss_weights=(a, b))``: the
+loss's weights on the KD and CE sums known before the call, as in training's one-teacher call
+with global-batch denominators; the default here, ``--recompute`` measures the other way):
+each block's gradient right after its sums, from the softmax and projection at hand, the
+exact form's KL and gradient in one pass over each payload row; the backward only scales it.
+2026-11-29, commit 34afc02, runs alternated, 1 thread, V_s 49,152, CPU-time ratio to CE:
+
+  tokens  form        forward-written               --recompute
+   4,096  full        4.13-4.22 s, 4.5-4.7x, 13%    5.04-5.38 s, 5.6-6.1x, 16%
+   4,096  gold        2.06-2.15 s, 2.2-2.4x, 10-11% 1.97-2.07 s, 2.2-2.3x, 10-11%
+   4,096  chunk_topk  0.73-0.75 s, 0.80-0.83x       0.73-0.78 s, 0.83-0.87x
+  16,384  full        16.7-18.8 s, 3.4-3.8x, 4.4%   21.6-22.1 s, 4.4-5.8x, 6.1%
+   4,096  full, real W  2.77 s, 3.24x, 10%          3.45 s, 4.02x, 12%   (one run each)
+
+  (CE 0.88-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
+  backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
+  recomputing backward either way: its kernel finishes all rows together, after every block's
+  sums, so a block's gradient cannot be written with them.
+
 Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
-reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, twice
-per chunk (the forward KL with the teacher-only terms, and P on W's image in the recomputing
-backward), with an exp each time, and its projection is a sparse gather of ~2.7 entries per
-student column with no locality, done three times (forward, recompute, transpose): at 16k
-tokens (in-process profile, 6a58251) the projections are half of the time (11.7 of 23.8 s:
-the line products 5.8 s), the payload's passes 40% (the forward KL 6.1 s, its gradient 3.1).
+reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, with an
+exp, and its projection is a sparse gather of ~2.7 entries per student column with no
+locality, done twice (forward, and the gradient's transpose; three times with the recomputing
+backward): at 16k tokens (in-process profile, 6a58251, recomputing) the projections were half
+of the time (11.7 of 23.8 s: the line products 5.8 s), the payload's passes 40% (the forward
+KL 6.1 s, its gradient 3.1). Half of a line product's time is the transposed write-out of its
+[tile, rows] pieces (the same sums written [lines, rows]: 3.7 against 7.6 ms at 60 rows), and
+the products are not bound by W's gathers: with the rows' sums in L1 (1,024 student columns)
+they still take 0.6-1.1 ns a row and entry, against 1.1-1.2 from L3.
 LLVM gives Numba's loops 256-bit vectors on this CPU (Intel Emerald Rapids, AVX-512): with
 512-bit ones (``NUMBA_CPU_NAME=emeraldrapids NUMBA_CPU_FEATURES=<the host's features>,
 -prefer-256-bit``, a process-wide choice the library leaves to the user) the exp, log and
