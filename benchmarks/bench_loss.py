@@ -215,7 +215,14 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   16,384  full        16.7-18.8 s, 3.4-3.8x, 4.4%   21.6-22.1 s, 4.4-5.8x, 6.1%
    4,096  full, real W  2.77 s, 3.24x, 10%          3.45 s, 4.02x, 12%   (one run each)
 
-  (CE 0.88-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
+  Then the payload's sums in float32 partials of 256 (commit 0e59678) and P gathered on I from
+  the piece's exps for the KL and its gradient alike (9e22162), forward-written, one run each:
+
+   4,096  full        0e59678: 3.30-3.39 s, 3.75-3.95x; 9e22162: 3.06-3.22 s, 3.6-3.7x, 12%
+  16,384  full        0e59678: 13.4 s, 2.83x, 4.9%;  9e22162: 14.4 s, 3.03x, 4.4%
+   4,096  full, real W                               9e22162: 2.53 s, 2.87x, 10%
+
+  (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's
   sums, so a block's gradient cannot be written with them.
@@ -226,7 +233,9 @@ exp, and its projection is a sparse gather of ~2.7 entries per student column wi
 locality, done twice (forward, and the gradient's transpose; three times with the recomputing
 backward): at 16k tokens (in-process profile, 6a58251, recomputing) the projections were half
 of the time (11.7 of 23.8 s: the line products 5.8 s), the payload's passes 40% (the forward
-KL 6.1 s, its gradient 3.1). Half of a line product's time is the transposed write-out of its
+KL 6.1 s, its gradient 3.1); forward-written (in-process, 9e22162, 15.0 s): the payload's one
+pass 5.7 s, the projection 3.3 s, the gradient's projection with its transpose 4.0 s, the
+blocks' softmax 1.5 s. Half of a line product's time is the transposed write-out of its
 [tile, rows] pieces (the same sums written [lines, rows]: 3.7 against 7.6 ms at 60 rows), and
 the products are not bound by W's gathers: with the rows' sums in L1 (1,024 student columns)
 they still take 0.6-1.1 ns a row and entry, against 1.1-1.2 from L3.
