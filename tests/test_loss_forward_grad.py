@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_loss_grad_into_logits import EXACT, _case, _payload
+from test_loss_grad_into_logits import (
+    EXACT,
+    _assert_reference,
+    _case,
+    _force_softmax_buffer,
+    _payload,
+)
 
 from megatron_xdistill.loss import exact_rows, kernels, parallel_kd_loss
 from megatron_xdistill.loss.common import predicting_chunk_id
-from megatron_xdistill.loss.kernel_choice import NoKernel
-from megatron_xdistill.loss.kernels import GoldKernel
 
 
 def _call(case, logits, mode, form, temperature, with_ce, into, weights, sample_weights=None):
@@ -65,17 +69,11 @@ def test_forward_gradient_matches_reference(monkeypatch, mode, form, temperature
     loss's scale 3), zeros on the padded columns; both CPU paths (logits only; the softmax
     buffer a GPU takes, forced here)."""
     if path == "softmax":
-        for kernel in (GoldKernel, NoKernel):
-            monkeypatch.setattr(kernel, "needs_softmax", staticmethod(lambda like: True))
+        _force_softmax_buffer(monkeypatch)
     case = _case()
     loss, grad = _grad(case, mode, form, temperature, with_ce, into, weighted=True)
     ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
-    ref_grad = 3.0 * ref_grad
-    assert loss == pytest.approx(ref, rel=1e-5)
-    scale = ref_grad.abs().max().item()
-    torch.testing.assert_close(grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
-                               atol=1e-5 * scale)
-    assert torch.count_nonzero(grad[..., case.vs:]) == 0
+    _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)
 
 
 @pytest.mark.parametrize("form", ["topk", "chunk_topk"])

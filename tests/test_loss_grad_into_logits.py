@@ -61,6 +61,23 @@ def _grad(case, mode: str, form: str, temperature: float, with_ce: bool, into: b
     return loss.item(), grad, grad.data_ptr() == logits.data_ptr()
 
 
+def _force_softmax_buffer(monkeypatch) -> None:
+    """The GPU's blocks on CPU: a softmax buffer for gold and CE (P-KL has it anyway)."""
+    for kernel in (GoldKernel, NoKernel):
+        monkeypatch.setattr(kernel, "needs_softmax", staticmethod(lambda like: True))
+
+
+def _assert_reference(case, loss: float, grad: torch.Tensor, ref: float,
+                      ref_grad: torch.Tensor) -> None:
+    """fp32: loss rel 1e-5 and gradient 1e-5 of its largest entry against float64, zeros on
+    the padded columns."""
+    assert loss == pytest.approx(ref, rel=1e-5)
+    scale = ref_grad.abs().max().item()
+    torch.testing.assert_close(grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
+                               atol=1e-5 * scale)
+    assert torch.count_nonzero(grad[..., case.vs:]) == 0
+
+
 EXACT = [("pkl", "full", 1.0, True), ("pkl", "full", 2.0, False), ("gold", "gold", 1.0, True),
          ("gold", "gold", 1.5, True), ("hkl", "gold", 1.0, False), ("ce", None, 1.0, True),
          ("ce", None, 2.0, True)]
@@ -73,18 +90,13 @@ def test_gradient_over_the_logits_matches_reference(monkeypatch, mode, form, tem
                                                     with_ce, path):
     """fp32: loss rel 1e-5 and gradient 1e-5 of its largest entry against float64, zeros on
     the padded columns, written into the logits' storage."""
-    if path == "softmax":  # the GPU's blocks: a softmax buffer (gold and CE; P-KL has it anyway)
-        for kernel in (GoldKernel, NoKernel):
-            monkeypatch.setattr(kernel, "needs_softmax", staticmethod(lambda like: True))
+    if path == "softmax":
+        _force_softmax_buffer(monkeypatch)
     case = _case()
     loss, grad, shared = _grad(case, mode, form, temperature, with_ce, into=True)
     ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
     assert shared
-    assert loss == pytest.approx(ref, rel=1e-5)
-    scale = ref_grad.abs().max().item()
-    torch.testing.assert_close(grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
-                               atol=1e-5 * scale)
-    assert torch.count_nonzero(grad[..., case.vs:]) == 0
+    _assert_reference(case, loss, grad, ref, ref_grad)
 
 
 @pytest.mark.parametrize("form", ["topk", "chunk_topk"])
