@@ -176,3 +176,18 @@ def test_logits_from_a_custom_functions_view_take_the_forward_gradient():
     scale = ref_grad.abs().max().item()
     torch.testing.assert_close(leaf.grad[..., : case.vs].double(), ref_grad, rtol=1e-5,
                                atol=1e-5 * scale)
+
+
+def test_exact_form_torch_path_forward_gradient_matches_reference(monkeypatch):
+    """The exact form as a GPU runs it (no Numba: the projection by sparse products, the KL's
+    gradient by autograd inside the forward), forced on CPU: the reference's gradient."""
+    from megatron_xdistill.loss import image_projection
+
+    monkeypatch.setattr(exact_rows, "supported", lambda t: False)
+    monkeypatch.setattr(image_projection.ImageProjection, "_numba",
+                        staticmethod(lambda t: False))
+    _force_softmax_buffer(monkeypatch)
+    case = _case()
+    loss, grad = _grad(case, "pkl", "full", 1.0, True, True, weighted=True)
+    ref, ref_grad = case.reference_loss("pkl", 1.0, True)
+    _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)
