@@ -191,3 +191,15 @@ def test_exact_form_torch_path_forward_gradient_matches_reference(monkeypatch):
     loss, grad = _grad(case, "pkl", "full", 1.0, True, True, weighted=True)
     ref, ref_grad = case.reference_loss("pkl", 1.0, True)
     _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)
+
+
+def test_a_second_backward_raises_clearly():
+    """The forward's gradient is handed to the first backward, not kept: a second one (with
+    retain_graph) says so instead of failing on a missing buffer."""
+    case = _case()
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    terms = _call(case, logits, "pkl", "full", 1.0, True, False, (1.0, 1.0))
+    loss = terms.kd_sum + terms.ce_sum
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="taken by an earlier backward"):
+        loss.backward()

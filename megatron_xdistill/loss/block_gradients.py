@@ -61,6 +61,10 @@ class BlockGradients:
         saved for it (saving a tensor the forward then wrote over fails to unpack when the
         logits are a custom Function's view, as a loss clock's identity)."""
         a, b = self.grad_weights
+        if not hasattr(self, "grad_full"):
+            raise RuntimeError("parallel_kd_loss(loss_weights=...): the forward's gradient was "
+                               "taken by an earlier backward (it is handed over, not kept); "
+                               "call the loss again, or pass no loss_weights, to backward twice")
         # A sum that does not depend on these logits (no chunk rows here; no labels) takes
         # any upstream gradient.
         terms = [(name, 0.0 if g is None else float(g), w)
