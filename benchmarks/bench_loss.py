@@ -222,6 +222,22 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   16,384  full        0e59678: 13.4 s, 2.83x, 4.9%;  9e22162: 14.4 s, 3.03x, 4.4%
    4,096  full, real W                               9e22162: 2.53 s, 2.87x, 10%
 
+  Then the payload pass's cross sum and gradient in one loop, W's rows fetched 8 entries ahead
+  in the line products (``cpu_rows.prefetch``) and the rows' sums transposed 32 rows at a time
+  (2026-11-29, A/B of 7cee3ae (before) and the commit that made them (after), runs
+  alternated, one machine state; Megatron's CE 3.43-3.86 s here, faster than in the runs
+  above):
+
+  tokens  V_s      form          before                       after
+  16,384  49,152   full          13.69-14.60 s, 3.55-4.14x    12.28-12.54 s, 3.57-3.62x, 4.4-4.9%
+   4,096  49,152   full, real W  2.33 s, 2.65x                2.21 s, 2.47x, 10.4%   (one run each)
+
+  (Without the rows' sums change: 12.84-13.19 s at 16,384 tokens.)
+
+  At V_s 128,256 (7cee3ae, 16,384 tokens, one run): CE 23.9 s, full 28.1 s (1.17x CE, extra
+  memory 1.5% of the logits), chunk_topk 8.6 s: the exact form is within 1.5x CE there, and
+  3.3x chunk top-k.
+
   (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's
@@ -235,7 +251,8 @@ backward): at 16k tokens (in-process profile, 6a58251, recomputing) the projecti
 of the time (11.7 of 23.8 s: the line products 5.8 s), the payload's passes 40% (the forward
 KL 6.1 s, its gradient 3.1); forward-written (in-process, 9e22162, 15.0 s): the payload's one
 pass 5.7 s, the projection 3.3 s, the gradient's projection with its transpose 4.0 s, the
-blocks' softmax 1.5 s. Half of a line product's time is the transposed write-out of its
+blocks' softmax 1.5 s; with the one loop and the prefetch above (13.2 s): 4.8, 2.9 (the rows'
+sums 1.2, before they were blocked), 3.4 and 1.5 s. Half of a line product's time is the transposed write-out of its
 [tile, rows] pieces (the same sums written [lines, rows]: 3.7 against 7.6 ms at 60 rows), and
 the products are not bound by W's gathers: with the rows' sums in L1 (1,024 student columns)
 they still take 0.6-1.1 ns a row and entry, against 1.1-1.2 from L3.

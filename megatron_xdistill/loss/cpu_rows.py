@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from llvmlite import ir
 from numba import njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .numba_cpu import numba_takes, use_torch_threads
@@ -67,6 +68,29 @@ def _bits_of_float32(typingctx, value):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.int32(value), codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, i, k):
+    """Ask the CPU to bring the cache line of ``array[i, k]`` (a 2-D array) into its caches
+    (LLVM's prefetch: a read, kept in every level). A hint, so it changes no result: for
+    kernels that will read rows at indices known a few steps ahead (W's entries)."""
+    if not (isinstance(array, types.Array) and array.ndim == 2
+            and isinstance(i, types.Integer) and isinstance(k, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        where = cgutils.get_item_pointer(context, builder, array_type, view,
+                                         [args[1], args[2]], wraparound=False)
+        hint = ir.FunctionType(ir.VoidType(), [where.type] + [ir.IntType(32)] * 3)
+        call = cgutils.get_or_insert_function(builder.module, hint, "llvm.prefetch.p0")
+        read, keep, data = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
+        builder.call(call, [where, read, keep, data])
+        return context.get_dummy_value()
+
+    return types.void(array, i, k), codegen
 
 
 def fast_exp(x):  # pragma: no cover - replaced by the overload inside Numba code
@@ -294,4 +318,5 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
         _exp_spread(out.detach().numpy(), x.detach().numpy(), *rest)
 
 
-__all__ = ["FASTMATH", "exp_spread_", "fast_exp", "fast_log", "first_argmax", "row_logsumexp"]
+__all__ = ["FASTMATH", "exp_spread_", "fast_exp", "fast_log", "first_argmax", "prefetch",
+           "row_logsumexp"]
