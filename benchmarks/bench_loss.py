@@ -238,6 +238,21 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   memory 1.5% of the logits), chunk_topk 8.6 s: the exact form is within 1.5x CE there, and
   3.3x chunk top-k.
 
+  The ``image`` form (``--forms image``; what training's ``--kd-topk 0`` ships since the
+  commit that added it): the teacher sends W's image I only, with its float64 sums of P log P
+  and of P over the other columns and its argmax, and the student reads each row in one
+  contiguous pass (``exact_rows.image_kl_on_image``: no pieces, no gather, no exp of the columns
+  outside I). The same inputs as ``full`` (the payload rows cut to I, the sums taken here);
+  one run each, 1 thread, V_s 49,152:
+
+  tokens  W                       full                   image                  chunk_topk
+  16,384  synthetic (|I| 58%)     11.81 s, 2.42x CE      9.90 s, 2.03x, 4.9%    -
+   4,096  synthetic               3.02 s, 3.49x          2.53 s, 2.92x, 5.8%    -
+   4,096  demo's real W (26%)     2.16 s, 2.52x          1.64 s, 1.92x, 7.8%    0.68 s, 0.79x
+
+  (CE 4.88 s at 16,384 tokens in that run, 0.86-0.87 s at 4,096.) Its payload is |I| + 5
+  floats a chunk instead of V_t + 1: 26% of the full rows with the real W.
+
   (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's
@@ -499,6 +514,29 @@ else:
                 torch.randn(min(256, c - lo), vt, generator=gen), -1)
         flat[0, c * vt:] = 1.0  # has_teacher
         payload = TeacherPayload.from_flat(flat, spec)
+    elif form == "image":  # the full form's rows on W's image, the teacher's sums outside it
+        from megatron_xdistill.loss import teacher_image
+        from megatron_xdistill.loss.payload import float64_as_pair
+        image = teacher_image(idx, w, vs)
+        spec = PayloadSpec("image", c, image.numel())
+        flat = torch.empty(1, spec.numel)
+        rows = flat[0, : c * image.numel()].view(c, image.numel())
+        sums = torch.empty(c, 2, dtype=torch.float64)
+        argmax = torch.empty(c)
+        rest = torch.ones(vt, dtype=torch.bool)
+        rest[image] = False
+        for lo in range(0, c, 256):
+            block = torch.log_softmax(torch.randn(min(256, c - lo), vt, generator=gen), -1)
+            rows[lo: lo + 256] = block[:, image]
+            out = block[:, rest].double()
+            sums[lo: lo + 256, 0] = (out.exp() * out).sum(-1)
+            sums[lo: lo + 256, 1] = out.exp().sum(-1)
+            argmax[lo: lo + 256] = block.argmax(-1).float()
+        at = c * image.numel()
+        flat[0, at + c: at + 5 * c] = float64_as_pair(sums).reshape(-1)  # after has_teacher
+        flat[0, at: at + c] = 1.0
+        flat[0, at + 5 * c:] = argmax
+        payload = TeacherPayload.from_flat(flat, spec)
     else:  # gold: half of the student vocabulary is common (a real W: its strict pairs)
         common = (torch.randperm(vs, generator=gen)[: vs // 2].sort().values if real_w is None
                   else real_w.common_vocab("strict")[0])
@@ -508,7 +546,7 @@ else:
             PayloadSpec("gold", c, m, unc), torch.log_softmax(torch.randn(1, c, m), -1), has,
             uncommon_probs=torch.rand(1, c, unc).sort(-1, descending=True).values * 1e-3)
     mode = "gold" if form == "gold" else "pkl"
-    if form != "full" or gpu:
+    if form not in ("full", "image") or gpu:
         payload = TeacherPayload.from_flat(payload.to_flat().to(dev), payload.spec)
     ids, has = ids.to(dev), has.to(dev)
     common = None if common is None else common.to(dev)
@@ -582,7 +620,7 @@ def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace
     from megatron_xdistill.loss.block_size import block_positions
     from megatron_xdistill.loss.kernels import DenseKernel, GoldKernel
 
-    kernel = {"KD full": DenseKernel, "KD gold": GoldKernel}.get(name)
+    kernel = {"KD full": DenseKernel, "KD image": DenseKernel, "KD gold": GoldKernel}.get(name)
     if kernel is None:
         return "-"
     itemsize = 2 if args.dtype == "bfloat16" else 4
@@ -597,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vs", type=int, nargs="+", default=[49152, 128256])
     parser.add_argument("--vt", type=int, default=151936)
     parser.add_argument("--forms", nargs="+", default=["topk", "chunk_topk"],
-                        choices=["topk", "chunk_topk", "full", "gold"])
+                        choices=["topk", "chunk_topk", "full", "image", "gold"])
     parser.add_argument("--topk", type=int, default=256)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)

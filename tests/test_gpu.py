@@ -113,12 +113,12 @@ def test_dead_rank_leaks_no_gpu_memory(who_dies):
 
 
 # ---------------------------------------------------------------------------- loss numerics
-@pytest.mark.parametrize("mode,form,topk", [("pkl", "full", None), ("pkl", "topk", 12),
-                                            ("pkl", "chunk_topk", 6), ("gold", "gold", None),
-                                            ("hkl", "gold", None)])
+@pytest.mark.parametrize("mode,form,topk", [("pkl", "full", None), ("pkl", "image", None),
+                                            ("pkl", "topk", 12), ("pkl", "chunk_topk", 6),
+                                            ("gold", "gold", None), ("hkl", "gold", None)])
 def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     """fp32 on CUDA vs the float64 CPU reference: loss and gradient, rel 1e-5."""
-    from megatron_xdistill.loss import parallel_kd_loss, reference
+    from megatron_xdistill.loss import parallel_kd_loss, reference, teacher_image
     from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
@@ -126,12 +126,16 @@ def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     case = make_case(batch=3, ts=40, tt=32, vs=300, vt=250, vs_padded=320, vt_padded=256,
                      seed=4, realistic=True, normalised_rows=True)
     common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
+    image = (teacher_image(*case.projection_rows(case.student_logits.shape[-1]), case.vs)
+             if form == "image" else None)
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
-                        num_common=None if common[0] is None else common[0].numel())
+                        num_common=None if common[0] is None else common[0].numel(),
+                        num_image=None if image is None else image.numel())
     dev = torch.device(os.environ.get("XDISTILL_TEST_DEVICE", "cuda"))
     payload = teacher_payload(case.teacher_logits.to(dev), predicting_chunk_id(case.teacher_chunk_id),
                               spec, vocab_size=case.vt, temperature=1.5,
-                              common_teacher_ids=None if common[1] is None else common[1].to(dev))
+                              common_teacher_ids=None if common[1] is None else common[1].to(dev),
+                              image_teacher_ids=image)
     logits = case.student_logits.to(dev).requires_grad_(True)
     terms = parallel_kd_loss(
         logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
@@ -173,13 +177,13 @@ def _synchronisations(fn) -> int:
 
 
 @pytest.mark.parametrize("form,topk", [("topk", 12), ("chunk_topk", 6), ("full", None),
-                                       ("gold", None)])
+                                       ("image", None), ("gold", None)])
 def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
     """The column P-KL (the default payload) expands its W entries once per call: its forward
     and backward wait on the GPU no more often with 40 blocks than with 2 (per-block waits were
     a large part of the loss's time on an H100). The exact and gold forms finish their rows
     per block; their row selection is found on the CPU with the blocks, so they too."""
-    from megatron_xdistill.loss import parallel_kd_loss
+    from megatron_xdistill.loss import parallel_kd_loss, teacher_image
     from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
@@ -188,12 +192,16 @@ def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
                      seed=4, realistic=True, normalised_rows=True)
     mode = "gold" if form == "gold" else "pkl"
     common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
+    image = (teacher_image(*case.projection_rows(case.student_logits.shape[-1]), case.vs)
+             if form == "image" else None)
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
-                        num_common=None if common[0] is None else common[0].numel())
+                        num_common=None if common[0] is None else common[0].numel(),
+                        num_image=None if image is None else image.numel())
     dev = torch.device("cuda")
     payload = teacher_payload(case.teacher_logits.to(dev),
                               predicting_chunk_id(case.teacher_chunk_id), spec, vocab_size=case.vt,
-                              common_teacher_ids=None if common[1] is None else common[1].to(dev))
+                              common_teacher_ids=None if common[1] is None else common[1].to(dev),
+                              image_teacher_ids=image)
     chunk_id = predicting_chunk_id(case.student_chunk_id)
     projection = case.projection_rows(case.student_logits.shape[-1])
     labels = case.labels.to(dev)

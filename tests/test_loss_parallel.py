@@ -15,6 +15,7 @@ import torch
 
 from megatron_xdistill.loss import reference
 from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
+from megatron_xdistill.loss.image_projection import teacher_image
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.parallel.context_parallel import restore_from_cp_parts
 from megatron_xdistill.testing.multirank import RankPool
@@ -41,6 +42,11 @@ CONFIGS = [
     # a float in the reverse slot: GKD's generalized JSD beta
     ("pkl", "full", None, 1.0, 0.5, False, 0.0, False, 8192),
     ("pkl", "chunk_topk", 6, 1.5, 0.3, False, 1.0, False, 8192),
+    # the exact form from W's image only (the teacher's sums outside it): forward KL with CE,
+    # reverse at T 2, JSD
+    ("pkl", "image", None, 1.0, False, False, 0.5, False, 8192),
+    ("pkl", "image", None, 2.0, True, False, 0.0, False, 8192),
+    ("pkl", "image", None, 1.0, 0.5, False, 0.0, False, 8192),
 ]
 _GROUPS: dict = {}
 
@@ -81,12 +87,20 @@ def _common(case, mode):
     return common_vocab_from_dense(case.projection, mode) if mode != "pkl" else (None, None)
 
 
+def _image(case, form):
+    """W's image (image form), from the projection's rows as the student shards them."""
+    if form != "image":
+        return None
+    return teacher_image(*case.projection_rows(case.student_logits.shape[-1]), case.vs)
+
+
 def _spec(case, config):
     mode, form, topk, *_, unc = config
     common = _common(case, mode)
+    image = _image(case, form)
     return payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
                         num_common=None if common[0] is None else common[0].numel(),
-                        uncommon_topk=unc)
+                        uncommon_topk=unc, num_image=None if image is None else image.numel())
 
 
 def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes: int,
@@ -120,6 +134,7 @@ def _run_layout(tp: int, cp: int, case_kwargs: dict, configs: list, block_bytes:
         payload = teacher_payload(
             local(case.teacher_logits, vt_local), ids(case.teacher_chunk_id), _spec(case, config),
             vocab_size=case.vt, temperature=temp, common_teacher_ids=common[1],
+            image_teacher_ids=_image(case, form),
             tp_group=groups["tp"], cp_group=groups["cp"], block_bytes=block_bytes)
         logits = local(case.student_logits, vs_local).requires_grad_(True)
 
@@ -223,7 +238,7 @@ def _payload(case, config, n_dp: int) -> torch.Tensor:
         part = teacher_payload(
             case.teacher_logits[s], predicting_chunk_id(case.teacher_chunk_id)[s],
             _spec(case, config), vocab_size=case.vt, temperature=temp,
-            common_teacher_ids=common[1]).to_flat()
+            common_teacher_ids=common[1], image_teacher_ids=_image(case, form)).to_flat()
         if flat is None:
             flat = part.new_zeros(case.chunk_valid.shape[0], part.shape[1])
         flat[s] = part
@@ -258,8 +273,8 @@ def test_parallel_loss_matches_reference(pool, expected, tp, cp):
     _check_layout(outs, expected, tp, cp)
 
 
-#: exact P-KL with CE, gold at T 2 (reverse, CE), the chunk top-k with CE
-AHEAD = [0, 7, 11]
+#: exact P-KL with CE, gold at T 2 (reverse, CE), the chunk top-k with CE, the image form with CE
+AHEAD = [0, 7, 11, 12]
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 1), (2, 2)])

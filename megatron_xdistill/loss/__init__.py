@@ -6,13 +6,17 @@ pieces, decoupled by a payload:
 
 **1. Teacher side** (every rank of the teacher's last pipeline stage, per microbatch)::
 
-    spec = payload_spec(form, num_chunks, teacher_vocab_size, topk=k, num_common=M)
+    spec = payload_spec(form, num_chunks, teacher_vocab_size, topk=k, num_common=M,
+                        num_image=image.numel())
     payload = teacher_payload(logits, teacher_pred_chunk_id, spec, vocab_size=V_t,
-                              temperature=T, common_teacher_ids=ct, tp_group=t_tp, cp_group=t_cp)
+                              temperature=T, common_teacher_ids=ct, image_teacher_ids=image,
+                              tp_group=t_tp, cp_group=t_cp)
 
 ``logits`` [b, s_local, V_t_local]: GPTModel's output with ``labels=None`` (it returns [b, s, v];
 pass ``logits.transpose(0, 1)`` if you hold Megatron's [s, b, v] — that costs a copy). ``form``:
-"full" (exact P-KL, K = V_t), "topk" (NeMo-RL ``vocab_topk``: the microbatch's k columns with the
+"full" (exact P-KL, K = V_t), "image" (the same exact P-KL from the columns of W's image only,
+``image = teacher_image(indices, weights, V_s)``, with the teacher's sums over the other columns:
+|I| / V_t of the full payload), "topk" (NeMo-RL ``vocab_topk``: the microbatch's k columns with the
 largest teacher logit, softmax within K), "chunk_topk" (compressed: each chunk's top-k teacher
 tokens + one tail bucket) or "gold" (gold/H-KL: teacher chunk log-probs on the M common teacher ids
 ``ct`` + the sorted uncommon probabilities). The result is identical on every teacher TP/CP rank of
@@ -70,6 +74,7 @@ reduction (recomputed, not stored) and one [block] TP all-reduce (P-KL).
 
 from .block_size import BLOCK_BYTES
 from .common import EPS, UNCOMMON_TOPK, common_vocab_from_dense, predicting_chunk_id
+from .image_projection import teacher_image
 from .payload import PayloadSpec, TeacherPayload
 from .reference import kd_loss
 from .shard import ProjectionShard
@@ -94,6 +99,7 @@ __all__ = [
     "parallel_kd_loss",
     "payload_spec",
     "predicting_chunk_id",
+    "teacher_image",
     "teacher_payload",
     "total_loss",
 ]

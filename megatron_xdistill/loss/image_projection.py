@@ -136,6 +136,17 @@ def _combine(out, factor, seg, h, dot, inv_t, coef):  # pragma: no cover - numba
                 out[i, s] = out[i, s] * (a * hr[s] + b)
 
 
+def teacher_image(indices: torch.Tensor, weights: torch.Tensor, student_vocab_size: int
+                  ) -> torch.Tensor:
+    """W's image I, ascending: the teacher ids that W maps real student tokens to (rows below
+    ``student_vocab_size`` of ``indices`` / ``weights`` [V_s, k], -1 or weight 0 = no entry, as
+    ``ProjectionMatrix.local_shard(0, V_s)`` gives them). The columns an ``image`` payload
+    ships, in the order :class:`ImageProjection` numbers them."""
+    indices = torch.as_tensor(indices)[:student_vocab_size]
+    weights = torch.as_tensor(weights)[:student_vocab_size]
+    return torch.unique(indices[(indices >= 0) & (weights > 0)].to(torch.int64))
+
+
 def _row_runs(seg: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(positions that belong to a row, grouped by row; offsets [num_rows + 1] into them)."""
     order = torch.nonzero(seg >= 0, as_tuple=True)[0]
@@ -299,4 +310,4 @@ class ImageProjection:
         out.mul_(h)
 
 
-__all__ = ["ImageProjection"]
+__all__ = ["ImageProjection", "teacher_image"]

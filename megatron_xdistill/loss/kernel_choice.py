@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from .chunk_rows import ChunkRows, build_chunk_rows
-from .collectives import Group
+from .collectives import Group, all_reduce
 from .common import GOLD_RULES
+from .image_kernel import ImageKernel
 from .kernels import ColumnsKernel, DenseKernel, GoldKernel
 from .numba_cpu import numba_takes
 from .payload import TeacherPayload
@@ -29,13 +30,13 @@ class NoKernel:
 
 
 def kernel_class_for(mode: str, form: str) -> type:
-    """The kernel for a loss mode and a teacher payload form (P-KL: all of V_t or columns;
-    gold / H-KL: common + uncommon)."""
+    """The kernel for a loss mode and a teacher payload form (P-KL: all of V_t, W's image or
+    columns; gold / H-KL: common + uncommon)."""
     if (mode == "pkl") == (form == "gold"):
         raise ValueError(f"mode {mode!r} cannot use a {form!r} teacher payload")
     if mode != "pkl":
         return GoldKernel
-    return DenseKernel if form == "full" else ColumnsKernel
+    return {"full": DenseKernel, "image": ImageKernel}.get(form, ColumnsKernel)
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,14 @@ def build_kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, p
     dev, num_real = vocab.device, vocab.num_real
     if options.mode == "pkl":
         shard = projection if isinstance(projection, ProjectionShard) else ProjectionShard(
-            projection[0], projection[1], vocab.start, teacher_vocab(payload, projection))
+            projection[0], projection[1], vocab.start,
+            teacher_vocab(payload, projection, tp_group))
         if shard.num_rows != vocab.width:
             raise ValueError(f"projection shard has {shard.num_rows} rows, logits {vocab.width}")
         shard = shard.to(dev)
-        if kernel_class is DenseKernel:
-            return DenseKernel(payload, shard, num_real, options.beta, tp_group,
-                               torch.cat([rows.keys, rows.split_keys]))
+        if kernel_class in (DenseKernel, ImageKernel):
+            return kernel_class(payload, shard, num_real, options.beta, tp_group,
+                                torch.cat([rows.keys, rows.split_keys]))
         return ColumnsKernel(payload, shard, num_real, rows, options.beta, tp_group)
     if options.common_student_ids is None:
         raise ValueError(f"mode {options.mode!r} needs common_student_ids "
@@ -146,13 +148,22 @@ class SampleWeighted:
         return direct(raw, keys, counts, weight * self._of_rows(keys, weight))
 
 
-def teacher_vocab(payload: TeacherPayload, projection) -> int:
+def teacher_vocab(payload: TeacherPayload, projection, tp_group: Group = None) -> int:
+    """V_t as far as the call can tell: the full form's width, else the largest teacher id of
+    W's rows and the payload's columns (image form: also the teacher's argmax, and the largest
+    over TP, since every TP rank must build W's image over the same range; a collective for
+    that form only, on every rank alike)."""
     if payload.spec.form == "full":
         return payload.spec.width
     idx = torch.as_tensor(projection[0])
     hi = int(idx.max()) + 1 if idx.numel() else 0
-    cols = payload.columns
-    return max(hi, int(cols.max()) + 1 if cols.numel() else 0, 1)
+    cols = payload.teacher_argmax if payload.spec.form == "image" else payload.columns
+    size = max(hi, int(cols.max()) + 1 if cols.numel() else 0, 1)
+    if payload.spec.form == "image":
+        total = torch.tensor([size], dtype=torch.int64, device=payload.logprobs.device)
+        all_reduce(total, tp_group, "max")
+        size = int(total)
+    return size
 
 
 __all__ = ["KernelOptions", "NoKernel", "VocabShard", "build_kernel", "chunk_rows_for",

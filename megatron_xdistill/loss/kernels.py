@@ -374,12 +374,11 @@ class DenseKernel:
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         u = replicated_sum(raw["q"], self.tp_group)
         if self._direct(u) and not u.requires_grad:
-            kl, at, teacher_at, _ = exact_rows.image_kl(u, self.logprobs, keys,
-                                                        self.proj.image, self.outside)
+            kl, at, teacher_at, _ = self._exact(u, keys, None)
             return kl, self._top1(at, teacher_at) if top1 else None
         q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
         log_q = torch.log(q + EPS)
-        log_p = self.logprobs.index_select(0, keys).index_select(1, self.proj.image).to(q.dtype)
+        log_p = self._logp_on_image(keys).to(q.dtype)
         if self.beta == 0.0:
             kl = self.const.index_select(0, keys).to(q.dtype) - (log_p.exp() * log_q).sum(-1)
         else:  # on I as formulas.divergence, plus the teacher-only part outside I
@@ -404,9 +403,21 @@ class DenseKernel:
         if not self._direct(u):
             return None
         u = replicated_sum(u.detach(), self.tp_group)
-        kl, at, teacher_at, g = exact_rows.image_kl(u, self.logprobs, keys, self.proj.image,
-                                                    self.outside, weight)
+        kl, at, teacher_at, g = self._exact(u, keys, weight)
         return kl, self._top1(at, teacher_at), {"q": g}
+
+    def _logp_on_image(self, keys: torch.Tensor) -> torch.Tensor:
+        """The payload rows ``keys`` on the columns of I [r, |I|]."""
+        return self.logprobs.index_select(0, keys).index_select(1, self.proj.image)
+
+    def _exact(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor | None):
+        """:func:`.exact_rows.image_kl` of the rows ``keys`` (KL, u's argmax on I, the
+        teacher's argmax, the gradient on u with ``weight``)."""
+        return exact_rows.image_kl(u, self.logprobs, keys, self.proj.image, self.outside, weight)
+
+    def _exact_grad(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor
+                    ) -> torch.Tensor:
+        return exact_rows.image_kl_grad(u, self.logprobs, keys, self.proj.image, weight)
 
     def _direct(self, u: torch.Tensor) -> bool:
         """Whether the forward KL on I takes :mod:`.exact_rows` (CPU): its value without
@@ -423,8 +434,7 @@ class DenseKernel:
         if not self._direct(u):
             return None
         u = replicated_sum(u.detach(), self.tp_group)
-        g = exact_rows.image_kl_grad(u, self.logprobs, keys, self.proj.image, weight)
-        return {"q": g}
+        return {"q": self._exact_grad(u, keys, weight)}
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:

@@ -15,6 +15,12 @@ Forms (``PayloadSpec.form``):
                 teacher tokens) + ``tail_logprob`` [B, C] (log of the rest's summed mass).
 ``gold``        ``logprobs`` [B, C, M] at the common teacher ids (in the order of the common
                 pairs) + ``uncommon_probs`` [B, C, L], the uncommon probs sorted descending.
+``image``       the exact form's payload on W's image I only: ``logprobs`` [B, C, |I|] at the
+                teacher ids of I (ascending) + ``outside`` [B, C, 4], the float64 sums over the
+                columns outside I of P log P and of P (P = exp of the chunk-mean log-probs), each
+                as a float32 (hi, lo) pair + ``teacher_argmax`` [B, C], the teacher's first
+                argmax over all of V_t. Exact, like ``full``: a column outside I gets projected
+                mass 0 whatever the student does, so the loss needs only those sums there.
 
 ``has_teacher`` [B, C]: the chunk has at least one teacher predicting position. Rows of chunks
 without one hold zeros (and column 0) and must not be used.
@@ -26,14 +32,28 @@ from dataclasses import dataclass
 
 import torch
 
-FORMS = ("full", "topk", "chunk_topk", "gold")
+FORMS = ("full", "topk", "chunk_topk", "gold", "image")
 _MAX_EXACT_ID = 1 << 24  # float32 holds every integer below this exactly
+
+
+def float64_as_pair(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2] float32 (hi, lo) with hi + lo = ``x`` to ~2^-48 relative: a float64 sum through
+    the float32 flat form (one float32 keeps 2^-24, which the image form's teacher-only sums,
+    multiplied by log(EPS) in the KL, would lose)."""
+    x = x.to(torch.float64)
+    hi = x.to(torch.float32)
+    return torch.stack([hi, (x - hi.to(torch.float64)).to(torch.float32)], dim=-1)
+
+
+def pair_as_float64(pair: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`float64_as_pair`: [..., 2] float32 -> [...] float64."""
+    return pair[..., 0].to(torch.float64) + pair[..., 1].to(torch.float64)
 
 
 @dataclass(frozen=True)
 class PayloadSpec:
     """Shape of a payload: ``form``, ``num_chunks`` C, ``width`` (columns per chunk row:
-    V_t / k / k / M), ``uncommon`` (gold: L sorted uncommon probs per chunk)."""
+    V_t / k / k / M / |I|), ``uncommon`` (gold: L sorted uncommon probs per chunk)."""
 
     form: str
     num_chunks: int
@@ -57,6 +77,8 @@ class PayloadSpec:
             parts += [("columns", (c, w)), ("tail_logprob", (c,))]
         if self.form == "gold":
             parts.append(("uncommon_probs", (c, self.uncommon)))
+        if self.form == "image":
+            parts += [("outside", (c, 4)), ("teacher_argmax", (c,))]
         return parts
 
     @property
@@ -90,6 +112,8 @@ class TeacherPayload:
     columns: torch.Tensor | None = None
     tail_logprob: torch.Tensor | None = None
     uncommon_probs: torch.Tensor | None = None
+    outside: torch.Tensor | None = None
+    teacher_argmax: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.logprobs.shape[0]
@@ -108,7 +132,8 @@ class TeacherPayload:
         rows = []
         for name, _ in self.spec._parts():
             value = getattr(self, name)
-            if name == "columns" and value.numel() and int(value.max()) >= _MAX_EXACT_ID:
+            if (name in ("columns", "teacher_argmax") and value.numel()
+                    and int(value.max()) >= _MAX_EXACT_ID):
                 raise ValueError("teacher ids >= 2**24 do not survive float32 transport")
             rows.append(value.reshape(self.batch_size, -1).to(torch.float32))
         if not rows:
@@ -127,12 +152,19 @@ class TeacherPayload:
                 n *= s
             part = flat[:, offset: offset + n].reshape(flat.shape[0], *shape)
             offset += n
-            if name == "columns":
+            if name in ("columns", "teacher_argmax"):
                 part = part.to(torch.int64)
             elif name == "has_teacher":
                 part = part > 0.5
             values[name] = part
         return cls(spec=spec, **values)
+
+    def outside_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image form: (sum of P log P, sum of P) over the teacher columns outside W's image,
+        float64 [B, C] each."""
+        if self.spec.form != "image":
+            raise ValueError(f"only image payloads carry the sums outside I, not {self.spec.form!r}")
+        return pair_as_float64(self.outside[..., 0:2]), pair_as_float64(self.outside[..., 2:4])
 
     def narrowed(self, k: int) -> TeacherPayload:
         """A chunk top-k payload cut to its ``k`` most probable columns per chunk: the columns

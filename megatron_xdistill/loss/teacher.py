@@ -17,16 +17,23 @@ from .block_size import BLOCK_BYTES
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
 from .common import TINY, UNCOMMON_TOPK
-from .payload import PayloadSpec, TeacherPayload
+from .payload import PayloadSpec, TeacherPayload, float64_as_pair
 
 
 def payload_spec(form: str, num_chunks: int, teacher_vocab_size: int, topk: int | None = None,
-                 num_common: int | None = None, uncommon_topk: int = UNCOMMON_TOPK) -> PayloadSpec:
+                 num_common: int | None = None, uncommon_topk: int = UNCOMMON_TOPK,
+                 num_image: int | None = None) -> PayloadSpec:
     """The payload shape for a loss configuration (known before any data: for routing plans).
 
-    ``form``: "full" (exact P-KL), "topk" (``topk`` microbatch-global columns), "chunk_topk"
-    (``topk`` columns per chunk + tail) or "gold" (``num_common`` common pairs).
+    ``form``: "full" (exact P-KL), "image" (exact P-KL on W's image of ``num_image`` teacher
+    ids, :func:`~.image_projection.teacher_image`), "topk" (``topk`` microbatch-global
+    columns), "chunk_topk" (``topk`` columns per chunk + tail) or "gold" (``num_common``
+    common pairs).
     """
+    if form == "image":
+        if num_image is None:
+            raise ValueError("form 'image' needs num_image (the size of W's image)")
+        return PayloadSpec(form, num_chunks, num_image)
     if form in ("topk", "chunk_topk"):
         if not topk or topk < 1:
             raise ValueError(f"form {form!r} needs topk >= 1")
@@ -56,6 +63,8 @@ class _Teacher:
     def __init__(self, logits: torch.Tensor, spec: PayloadSpec, vocab_size: int,
                  temperature: float, common_teacher_ids: torch.Tensor | None,
                  tp_group: Group, cp_group: Group) -> None:
+        """``common_teacher_ids``: the teacher ids of the payload's columns (gold: the common
+        pairs' order; image: W's image, ascending)."""
         self.spec, self.temp = spec, float(temperature)
         self.tp_group, self.cp_group = tp_group, cp_group
         self.logits2d = logits.reshape(-1, logits.shape[-1])
@@ -63,10 +72,14 @@ class _Teacher:
         self.vocab_start = group_rank(tp_group) * v_local
         self.num_real = max(0, min(v_local, vocab_size - self.vocab_start))
         self.dev = logits.device
-        if spec.form == "gold":
+        if spec.form in ("gold", "image"):
+            what = "common" if spec.form == "gold" else "image"
+            if common_teacher_ids is None:
+                raise ValueError(f"a {spec.form} payload needs the teacher ids of its columns "
+                                 f"({what}_teacher_ids)")
             common = torch.as_tensor(common_teacher_ids, dtype=torch.int64, device=self.dev)
             if common.numel() != spec.width:
-                raise ValueError(f"{common.numel()} common teacher ids, payload width {spec.width}")
+                raise ValueError(f"{common.numel()} {what} teacher ids, payload width {spec.width}")
             local = (common >= self.vocab_start) & (common < self.vocab_start + self.num_real)
             self.pair_local = torch.nonzero(local, as_tuple=True)[0]
             self.col_common = common[local] - self.vocab_start
@@ -107,6 +120,31 @@ class _Teacher:
         top_v, _ = _merge_topk(vals, idx, n, self.tp_group)
         return {"logprobs": common, "uncommon_probs": top_v.exp()}
 
+    def finish_image(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The chunk means on W's image, the float64 sums of P log P and of P over the other
+        columns (P = exp(mean); 0 log 0 = 0), and the first argmax over all of V_t."""
+        rows = mean.shape[0]
+        on_image = mean.new_zeros(rows, self.spec.width)
+        on_image[:, self.pair_local] = mean[:, self.col_common]
+        all_reduce(on_image, self.tp_group)
+        shipped = mean.to(torch.float32)  # what a full payload would hold: the same sums
+        rest = shipped.to(torch.float64)
+        rest[:, self.col_common] = float("-inf")
+        p = rest.exp()
+        sums = torch.stack([(p * rest.clamp_min(-1e30)).sum(1), p.sum(1)], dim=1)
+        all_reduce(sums, self.tp_group)
+        if self.num_real:
+            at = shipped.argmax(1)  # the first maximum of this shard
+            best = shipped.gather(1, at[:, None])[:, 0]
+        else:
+            best = shipped.new_full((rows,), float("-inf"))
+            at = torch.zeros(rows, dtype=torch.int64, device=self.dev)
+        values = torch.cat(all_gather(best[:, None].contiguous(), self.tp_group), 1)
+        ids = torch.cat(all_gather((at + self.vocab_start)[:, None].contiguous(), self.tp_group), 1)
+        first = values.argmax(1, keepdim=True)  # shards in vocabulary order: the lowest id wins
+        return {"logprobs": on_image, "outside": float64_as_pair(sums).reshape(rows, 4),
+                "teacher_argmax": ids.gather(1, first)[:, 0]}
+
     def finish_full(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
         width = self.logits2d.shape[1]
         padded = mean.new_zeros(mean.shape[0], width)
@@ -123,6 +161,7 @@ def teacher_payload(
     vocab_size: int,
     temperature: float = 1.0,
     common_teacher_ids: torch.Tensor | None = None,
+    image_teacher_ids: torch.Tensor | None = None,
     tp_group: Group = None,
     cp_group: Group = None,
     block_bytes: int = BLOCK_BYTES,
@@ -131,22 +170,25 @@ def teacher_payload(
 
     ``logits`` [B, T_local, V_local]; ``pred_chunk_id`` [B, T_local] (predicting chunk ids,
     -1 none, slots < ``spec.num_chunks``); ``vocab_size``: the real teacher vocabulary V_t;
-    ``common_teacher_ids``: the teacher side of the common pairs (gold form).
+    ``common_teacher_ids``: the teacher side of the common pairs (gold form);
+    ``image_teacher_ids``: W's image, ascending (image form,
+    :func:`~.image_projection.teacher_image`).
     """
     if logits.dim() != 3 or pred_chunk_id.shape != logits.shape[:2]:
         raise ValueError(f"teacher logits [B, T, V] {tuple(logits.shape)} and chunk ids "
                          f"{tuple(pred_chunk_id.shape)} disagree")
     if not logits.is_contiguous():
         logits = logits.contiguous()
-    t = _Teacher(logits, spec, vocab_size, temperature, common_teacher_ids, tp_group, cp_group)
+    ids = image_teacher_ids if spec.form == "image" else common_teacher_ids
+    t = _Teacher(logits, spec, vocab_size, temperature, ids, tp_group, cp_group)
     rows = build_chunk_rows(pred_chunk_id, spec.num_chunks, None, cp_group,
                             max(1, block_bytes // (4 * max(logits.shape[-1], 1))))
     columns = None
     if spec.form == "topk":
         columns = _microbatch_topk(t, spec.width, pred_chunk_id.reshape(-1) >= 0)
     finish = {"full": t.finish_full, "chunk_topk": t.finish_chunk_topk,
-              "gold": t.finish_gold, "topk": None}[spec.form]
-    per_block = spec.form in ("chunk_topk", "gold")
+              "gold": t.finish_gold, "image": t.finish_image, "topk": None}[spec.form]
+    per_block = spec.form in ("chunk_topk", "gold", "image")
 
     done_rows, done_vals, sums = [], [], []
     split_buf = None
@@ -234,7 +276,8 @@ def _finish_split(t: _Teacher, rows: ChunkRows, buf, finish, spec: PayloadSpec):
 
 _FIELDS = {"full": ("logprobs",), "topk": ("logprobs",),
            "chunk_topk": ("logprobs", "columns", "tail_logprob"),
-           "gold": ("logprobs", "uncommon_probs")}
+           "gold": ("logprobs", "uncommon_probs"),
+           "image": ("logprobs", "outside", "teacher_argmax")}
 
 
 def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_vals,
@@ -242,10 +285,10 @@ def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_v
     """Scatter every chunk's values (from its owning CP rank) and replicate them over CP."""
     slots = batch * spec.num_chunks
     shapes = {"logprobs": (spec.width,), "columns": (spec.width,), "tail_logprob": (),
-              "uncommon_probs": (spec.uncommon,)}
+              "uncommon_probs": (spec.uncommon,), "outside": (4,), "teacher_argmax": ()}
     out: dict[str, torch.Tensor] = {}
     for name in _FIELDS[spec.form]:
-        dtype = torch.int64 if name == "columns" else torch.float32
+        dtype = torch.int64 if name in ("columns", "teacher_argmax") else torch.float32
         buf = torch.zeros(slots, *shapes[name], dtype=dtype, device=t.dev)
         for r, vals in zip(done_rows, done_vals):
             buf[rows.keys[r].to(t.dev)] = vals[name].to(dtype)

@@ -19,6 +19,7 @@ from megatron_xdistill.loss import (
     payload_spec,
     predicting_chunk_id,
     student_split_chunks,
+    teacher_image,
     teacher_payload,
 )
 from megatron_xdistill.loss.chunk_starts import (
@@ -32,11 +33,13 @@ from megatron_xdistill.teachers.spec import TeacherSpec
 
 
 def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
-    """Which teacher payload a configuration ships (see loss.payload_spec)."""
+    """Which teacher payload a configuration ships (see loss.payload_spec). The exact P-KL
+    (``--kd-topk 0``) ships the teacher's columns on W's image with its sums over the rest
+    ("image": exact, |I| / V_t of the full rows)."""
     if kd_loss in ("gold", "hkl"):
         return "gold"
     if kd_topk == 0:
-        return "full"
+        return "image"
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
 
 
@@ -44,6 +47,20 @@ def common_vocab_rule(kd_loss: str) -> str:
     """The projection's common-vocabulary rule of a gold-form loss: gold pairs ids whose texts
     match exactly ("strict"), H-KL also the cross-token matches ("xtoken")."""
     return "strict" if kd_loss == "gold" else "xtoken"
+
+
+def payload_columns(form: str, matrix, kd_loss: str):
+    """The teacher ids of a payload's fixed columns: the common pairs' (gold form), W's image
+    over the student tokens (image form: the rows of W; a model's rows past them are empty),
+    else None."""
+    if matrix is None:
+        return None
+    if form == "gold":
+        return matrix.common_vocab(common_vocab_rule(kd_loss))[1]
+    if form == "image":
+        rows = matrix.student_vocab_size
+        return teacher_image(*matrix.local_shard(0, rows), rows)
+    return None
 
 
 def load_or_build_projection(projection_path: str | None, student_tokenizer: str,
@@ -103,10 +120,13 @@ class KDObjective:
         if self.form == "gold" and matrix is not None:
             common_student, common_teacher = matrix.common_vocab(common_vocab_rule(spec.kd_loss))
         self.common_student, self.common_teacher = common_student, common_teacher
+        self.image = (payload_columns(self.form, matrix, spec.kd_loss)
+                      if self.form == "image" else None)
         self.num_chunks = seq_length + 1  # chunk slots: collate_samples' upper bound
         self.spec = None if self.ce_only else payload_spec(
             self.form, self.num_chunks, self.teacher_vocab, topk=spec.kd_topk or None,
-            num_common=None if common_teacher is None else len(common_teacher))
+            num_common=None if common_teacher is None else len(common_teacher),
+            num_image=None if self.image is None else self.image.numel())
         self.heads = self.unreached = None  # --kd-first-token: where teacher mass moves
         if spec.kd_first_token and student.member and matrix is not None:
             self.heads, self.unreached = first_token_heads_of(
@@ -139,6 +159,7 @@ class KDObjective:
         payload = teacher_payload(
             logits.float(), pred, self.spec, vocab_size=self.teacher_vocab,
             temperature=self.teacher_spec.kd_temperature, common_teacher_ids=self.common_teacher,
+            image_teacher_ids=self.image,
             tp_group=groups.pg_collection.tp, cp_group=groups.pg_collection.cp)
         flat = payload.to_flat()
         if self.ships_text_nats:

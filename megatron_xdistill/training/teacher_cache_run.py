@@ -23,8 +23,8 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     from megatron_xdistill.teacher_cache import TeacherCache, checkpoint_fingerprint
     from megatron_xdistill.teacher_cache.key import run_key
     from megatron_xdistill.training.kd_adapter import (
-        common_vocab_rule,
         load_or_build_projection,
+        payload_columns,
         payload_form,
     )
 
@@ -43,16 +43,17 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     elif num_samples is None:
         num_samples = args.train_iters * args.global_batch_size
     form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
-    common = None
-    if form == "gold":
+    common = None  # the teacher ids of the payload's fixed columns (gold / image forms)
+    if form in ("gold", "image"):
         shared = (min(teacher_info.vocab_size, models_api.load_model_info(args.load).vocab_size)
                   if tokenizers.same_tokenizer[k] else None)
-        common = load_or_build_projection(
+        common = payload_columns(form, load_or_build_projection(
             args.projection_path, args.tokenizer_model, args.teacher_tokenizer_model, log,
-            shared).common_vocab(common_vocab_rule(args.kd_loss))[1]
+            shared), args.kd_loss)
     spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
                         topk=args.kd_topk or None,
-                        num_common=None if common is None else len(common))
+                        num_common=None if common is None or form != "gold" else len(common),
+                        num_image=None if common is None or form != "image" else len(common))
     teacher = (checkpoint_fingerprint(args.teacher_load) if args.teacher_load is not None
                else cache.manifest.key["teacher"]["checkpoint"])  # reading without a teacher
     key = run_key(

@@ -1,0 +1,91 @@
+"""The exact P-KL from an ``image`` payload: the teacher's columns on W's image I only.
+
+A column outside I gets projected mass 0 whatever the student does, so its share of the KL is
+the teacher's alone; the image form's teacher computes it once per chunk (the float64 sums of
+P log P and of P over those columns, and its argmax over all of V_t) and ships the columns of I
+with them (``payload.py``). The student then reads |I| columns a row, not V_t (the demo's
+SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of ``bench_loss.py``: 87,607), and
+the payload shrinks as much. Everything else is :class:`~.kernels.DenseKernel`'s: the same
+projection onto I, the same formulas; on CPU one contiguous pass over each row
+(:func:`.exact_rows.image_kl_on_image`: no pieces of V_t, no gather).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import exact_rows
+from .collectives import Group
+from .common import EPS
+from .image_projection import ImageProjection
+from .kernels import DenseKernel
+from .payload import TeacherPayload
+from .shard import ProjectionShard
+
+
+class ImageKernel(DenseKernel):
+    """:class:`~.kernels.DenseKernel` over an ``image`` payload (see the module docstring)."""
+
+    def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
+                 beta: float, tp_group: Group, keys: torch.Tensor) -> None:
+        self.payload, self.num_real = payload, num_real
+        self.beta, self.tp_group = beta, tp_group
+        self.proj = ImageProjection.of(shard, num_real, tp_group)
+        if payload.spec.width != self.proj.size:
+            raise ValueError(
+                f"the image payload has {payload.spec.width} columns a chunk, but W's image "
+                f"(the teacher ids this rank's projection maps real student tokens to, over "
+                f"TP) has {self.proj.size}: the teacher must ship the image of the same "
+                f"projection (teacher_payload(..., image_teacher_ids="
+                f"teacher_image(indices, weights, student_vocab_size)))")
+        self.logprobs = payload.logprobs.reshape(-1, payload.spec.width)
+        self.keys = keys
+        self._terms: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._outside: torch.Tensor | None = None
+        self.columns = torch.arange(self.proj.size, device=self.logprobs.device)  # its own
+
+    def _outside_terms(self) -> torch.Tensor:
+        """Per payload row, float64: the divergence's terms on the columns outside I, from the
+        teacher's sums (what :mod:`.exact_rows`' pass over the payload's own columns lacks)."""
+        plogp, mass = (t.reshape(-1) for t in self.payload.outside_sums())
+        if self.beta == 0.0:
+            return plogp - math.log(EPS) * mass
+        if self.beta == 1.0:  # reverse KL: nothing outside I
+            return torch.zeros_like(mass)
+        return -self.beta * math.log(self.beta) * mass  # JSD: beta KL(P || beta P) there
+
+    def _teacher_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(const, argmax) as :class:`DenseKernel` makes them from a full row: the forward
+        KL's const also holds the entropy term on I, sum_{t in I} P log P (float64, from the
+        payload rows of the call's keys, a slice of rows at a time)."""
+        if self._terms is None:
+            const = self._outside_terms()
+            if self.beta == 0.0:
+                keys = torch.unique(self.keys.to(self.logprobs.device))
+                step = self.teacher_rows_per_step(keys.numel(), self.logprobs.device)
+                for part in keys.split(step):
+                    lp = self.logprobs.index_select(0, part).to(torch.float64)
+                    const[part] += (lp.exp() * lp.clamp_min(-1e30)).sum(-1)
+            self._terms = const, self.payload.teacher_argmax.reshape(-1)
+        return self._terms
+
+    def _logp_on_image(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.logprobs.index_select(0, keys)
+
+    def _exact(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor | None):
+        """The forward KL on I from the payload's own columns, plus the teacher's terms outside
+        I; the teacher's argmax from the payload."""
+        kl, at, g = exact_rows.image_kl_on_image(u, self.logprobs, keys, weight)
+        if self._outside is None:
+            self._outside = self._outside_terms()
+        kl = (kl + self._outside.index_select(0, keys)).to(u.dtype)
+        return kl, at, self.payload.teacher_argmax.reshape(-1).index_select(0, keys), g
+
+    def _exact_grad(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor
+                    ) -> torch.Tensor:
+        return exact_rows.image_kl_grad(u, self.logprobs, keys, self.columns, weight)
+
+
+__all__ = ["ImageKernel"]

@@ -1,0 +1,180 @@
+"""The ``image`` payload: the exact P-KL's teacher columns on W's image I only, with the
+teacher's float64 sums over the other columns and its argmax over all of V_t.
+
+The teacher side against the full payload of the same logits (its columns of I, sums taken
+here in float64 over the rest, the first argmax); the loss from it against the float64 dense
+reference (forward KL, with and without CE, the CPU's direct passes and the torch path a GPU
+takes, the default backward and the forward-written gradient) and against the full form's
+loss for the reverse KL and the JSD. Layouts (TP, CP) are in ``test_loss_parallel.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_loss_grad_into_logits import _assert_reference, _case
+
+from megatron_xdistill.loss import (
+    PayloadSpec,
+    TeacherPayload,
+    exact_rows,
+    parallel_kd_loss,
+    payload_spec,
+    teacher_image,
+    teacher_payload,
+)
+from megatron_xdistill.loss.common import EPS, predicting_chunk_id
+from megatron_xdistill.loss.payload import float64_as_pair, pair_as_float64
+
+
+def _image(case) -> torch.Tensor:
+    return teacher_image(*case.projection_rows(case.student_logits.shape[-1]), case.vs)
+
+
+def _payload(case, form: str, temperature: float = 1.0, image=None) -> TeacherPayload:
+    image = _image(case) if image is None else image
+    spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, num_image=image.numel())
+    return teacher_payload(case.teacher_logits, predicting_chunk_id(case.teacher_chunk_id),
+                           spec, vocab_size=case.vt, temperature=temperature,
+                           image_teacher_ids=image if form == "image" else None)
+
+
+def test_image_payload_is_the_full_payload_on_the_image_with_the_teachers_sums():
+    case = _case()
+    image = _image(case)
+    assert 0 < image.numel() < case.vt
+    full, got = _payload(case, "full", 1.5), _payload(case, "image", 1.5)
+    has = full.has_teacher
+    assert torch.equal(got.has_teacher, has)
+    torch.testing.assert_close(got.logprobs[has], full.logprobs[has][:, image], rtol=1e-6,
+                               atol=1e-7)
+    rest = torch.ones(case.vt, dtype=torch.bool)
+    rest[image] = False
+    lp = full.logprobs[has][:, rest].double()
+    plogp, mass = got.outside_sums()
+    torch.testing.assert_close(plogp[has], (lp.exp() * lp).sum(-1), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(mass[has], lp.exp().sum(-1), rtol=1e-12, atol=1e-14)
+    assert torch.equal(got.teacher_argmax[has], full.logprobs[has].argmax(-1))
+    back = TeacherPayload.from_flat(got.to_flat(), got.spec)  # the transport's float32 row
+    assert torch.equal(back.outside_sums()[0], plogp) and torch.equal(back.teacher_argmax,
+                                                                      got.teacher_argmax)
+    assert got.spec.numel < full.spec.numel
+
+
+def test_a_float64_sum_survives_the_float32_pair():
+    x = torch.tensor([1.0 / 3.0, -2.718281828459045, 1e-30, 123456.789012345], dtype=torch.float64)
+    pair = float64_as_pair(x)
+    assert pair.dtype == torch.float32
+    torch.testing.assert_close(pair_as_float64(pair), x, rtol=1e-14, atol=0.0)
+    assert (pair[..., 0].double() - x).abs().max() > 1e-9  # one float32 would not do
+
+
+def _loss(case, payload, logits, with_ce, weights, **kw):
+    return parallel_kd_loss(
+        logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
+        case.chunk_exact, case.projection_rows(logits.shape[-1]), student_vocab_size=case.vs,
+        mode="pkl", labels=case.labels if with_ce else None,
+        block_bytes=4 * logits.shape[-1] * 7, loss_weights=weights, **kw)  # several blocks
+
+
+def _loss_and_grad(case, payload, with_ce, weighted, temperature=1.0, **kw):
+    """(kd / kd_count + ce / ce_count, its gradient)."""
+    with torch.no_grad():
+        first = _loss(case, payload, case.student_logits.float().clone(), with_ce, None,
+                      temperature=temperature, **kw)
+    n_kd, n_ce = max(float(first.kd_count), 1.0), max(float(first.ce_count), 1.0)
+    weights = (1.0 / n_kd, 1.0 / n_ce if with_ce else 0.0) if weighted else None
+    logits = case.student_logits.float().clone().requires_grad_(True)
+    terms = _loss(case, payload, logits, with_ce, weights, temperature=temperature, **kw)
+    loss = terms.kd_sum / n_kd + (terms.ce_sum / n_ce if with_ce else 0.0)
+    loss.backward()
+    return loss.item(), logits.grad
+
+
+@pytest.mark.parametrize("with_ce", [False, True], ids=["kd", "kd-ce"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["recomputing", "forward-written"])
+@pytest.mark.parametrize("path", ["cpu-passes", "torch"])
+def test_image_form_matches_the_dense_reference(monkeypatch, with_ce, weighted, path):
+    """fp32: loss rel 1e-5 and gradient 1e-5 of its largest entry against float64."""
+    if path == "torch":  # the path a GPU takes (the forward KL's const with I's entropy term)
+        monkeypatch.setattr(exact_rows, "supported", lambda t: False)
+    case = _case()
+    loss, grad = _loss_and_grad(case, _payload(case, "image", 2.0), with_ce, weighted, 2.0)
+    ref, ref_grad = case.reference_loss("pkl", 2.0, with_ce)
+    _assert_reference(case, loss, grad, ref, ref_grad)
+
+
+@pytest.mark.parametrize("divergence", [dict(reverse=True), dict(jsd_beta=0.3)],
+                         ids=["reverse", "jsd"])
+def test_image_form_equals_the_full_form_for_the_other_divergences(divergence):
+    case = _case()
+    full = _loss_and_grad(case, _payload(case, "full"), True, False, **divergence)
+    got = _loss_and_grad(case, _payload(case, "image"), True, False, **divergence)
+    assert got[0] == pytest.approx(full[0], rel=1e-6)
+    scale = full[1].abs().max().item()
+    torch.testing.assert_close(got[1], full[1], rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_an_image_payload_of_another_projection_is_refused():
+    case = _case()
+    image = _image(case)
+    payload = _payload(case, "image", image=image[:-3])
+    with pytest.raises(ValueError, match="image payload has .* columns"):
+        _loss(case, payload, case.student_logits.float(), False, None)
+
+
+def test_the_image_form_needs_its_ids():
+    case = _case()
+    spec = PayloadSpec("image", case.chunk_valid.shape[1], 5)
+    with pytest.raises(ValueError, match="image_teacher_ids"):
+        teacher_payload(case.teacher_logits, predicting_chunk_id(case.teacher_chunk_id), spec,
+                        vocab_size=case.vt)
+    with pytest.raises(ValueError, match="num_image"):
+        payload_spec("image", 4, case.vt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_image_rows_pass_equals_the_full_rows_pass(dtype):
+    """exact_rows' pass over I's columns alone, plus the terms outside I, against its pass over
+    full rows (checked against autograd in test_loss_kernels): KL, u's argmax and the gradient;
+    in float64 also a row with no projected mass (the floor holds its sum)."""
+    gen = torch.Generator().manual_seed(3)
+    n, vt = 9, 5000
+    lp = torch.log_softmax(3 * torch.randn(n, vt, generator=gen, dtype=dtype), -1)
+    lp[2, 7] = float("-inf")  # 0 log 0 = 0 on I
+    image = torch.nonzero(torch.rand(vt, generator=gen) < 0.4, as_tuple=True)[0]
+    lp[4, image[: image.numel() // 2]] = float("-inf")
+    keys = torch.tensor([0, 2, 4, 5, 8, 2])
+    u = torch.rand(keys.numel(), image.numel(), generator=gen, dtype=dtype)
+    if dtype == torch.float64:
+        u[3] = 0.0
+    outside = torch.ones(vt, dtype=dtype)
+    outside[image] = 0.0
+    weight = torch.tensor([0.5, 2.0, 1.0, 1.5, 3.0, 1.0], dtype=dtype)
+    kl, at, _, g = exact_rows.image_kl(u, lp, keys, image, outside, weight)
+    on, at_on, g_on = exact_rows.image_kl_on_image(u, lp[:, image].contiguous(), keys, weight)
+    rest = lp[:, outside.bool()].double()
+    p = rest.exp()
+    const = (p * rest.clamp_min(-1e30)).sum(-1) - torch.log(torch.tensor(EPS, dtype=torch.float64)) * p.sum(-1)
+    tol = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close((on + const[keys]).to(dtype), kl, rtol=tol, atol=tol)
+    assert torch.equal(at_on, at)
+    torch.testing.assert_close(g_on, g, rtol=tol, atol=tol * float(g.abs().max()))
+    no_grad = exact_rows.image_kl_on_image(u, lp[:, image].contiguous(), keys)
+    torch.testing.assert_close(no_grad[0], on, rtol=tol, atol=0.0)
+    assert no_grad[2] is None
+
+
+def test_training_ships_the_image_form_for_the_exact_loss():
+    """``--kd-topk 0`` (the exact P-KL) ships W's image: the ids of the matrix's entries over
+    its student rows, ascending, with no empty row's -1 or a zero weight among them."""
+    from megatron_xdistill.projection.runtime import ProjectionMatrix
+    from megatron_xdistill.training.kd_adapter import payload_columns, payload_form
+
+    assert payload_form("pkl", 0, "chunk") == "image"
+    assert payload_form("pkl", 64, "chunk") == "chunk_topk"
+    indices = torch.tensor([[7, 2], [7, -1], [-1, -1], [11, 4]])
+    weights = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.0, 0.0], [0.9, 0.0]])
+    matrix = ProjectionMatrix(indices, weights, 4, 12)
+    assert payload_columns("image", matrix, "pkl").tolist() == [2, 7, 11]
+    assert payload_columns("chunk_topk", matrix, "pkl") is None
