@@ -131,6 +131,9 @@ def test_the_image_form_needs_its_ids():
                         vocab_size=case.vt)
     with pytest.raises(ValueError, match="num_image"):
         payload_spec("image", 4, case.vt)
+    with pytest.raises(ValueError, match="ascending"):
+        teacher_payload(case.teacher_logits, predicting_chunk_id(case.teacher_chunk_id), spec,
+                        vocab_size=case.vt, image_teacher_ids=torch.tensor([1, 9, 4, 12, 20]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

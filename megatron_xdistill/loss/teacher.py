@@ -80,6 +80,9 @@ class _Teacher:
             common = torch.as_tensor(common_teacher_ids, dtype=torch.int64, device=self.dev)
             if common.numel() != spec.width:
                 raise ValueError(f"{common.numel()} {what} teacher ids, payload width {spec.width}")
+            if spec.form == "image" and common.numel() > 1 and bool((common.diff() <= 0).any()):
+                raise ValueError("image_teacher_ids must be ascending and distinct (the order "
+                                 "in which the student numbers W's image: teacher_image(...))")
             local = (common >= self.vocab_start) & (common < self.vocab_start + self.num_real)
             self.pair_local = torch.nonzero(local, as_tuple=True)[0]
             self.col_common = common[local] - self.vocab_start
