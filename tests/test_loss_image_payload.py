@@ -51,9 +51,9 @@ def test_image_payload_is_the_full_payload_on_the_image_with_the_teachers_sums()
     rest = torch.ones(case.vt, dtype=torch.bool)
     rest[image] = False
     lp = full.logprobs[has][:, rest].double()
-    plogp, mass = got.outside_sums()
-    torch.testing.assert_close(plogp[has], (lp.exp() * lp).sum(-1), rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(mass[has], lp.exp().sum(-1), rtol=1e-12, atol=1e-14)
+    plogp, mass = got.outside_sums()  # float32 terms (the CPU's vectorised exp), float64 sums
+    torch.testing.assert_close(plogp[has], (lp.exp() * lp).sum(-1), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(mass[has], lp.exp().sum(-1), rtol=1e-6, atol=1e-12)
     assert torch.equal(got.teacher_argmax[has], full.logprobs[has].argmax(-1))
     back = TeacherPayload.from_flat(got.to_flat(), got.spec)  # the transport's float32 row
     assert torch.equal(back.outside_sums()[0], plogp) and torch.equal(back.teacher_argmax,

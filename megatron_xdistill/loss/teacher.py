@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import exact_rows
 from .block_size import BLOCK_BYTES
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_gather, all_reduce, group_rank
@@ -72,6 +73,7 @@ class _Teacher:
         self.vocab_start = group_rank(tp_group) * v_local
         self.num_real = max(0, min(v_local, vocab_size - self.vocab_start))
         self.dev = logits.device
+        self.outside: torch.Tensor | None = None  # image form: 1 on the columns outside I
         if spec.form in ("gold", "image"):
             what = "common" if spec.form == "gold" else "image"
             if common_teacher_ids is None:
@@ -131,17 +133,22 @@ class _Teacher:
         on_image[:, self.pair_local] = mean[:, self.col_common]
         all_reduce(on_image, self.tp_group)
         shipped = mean.to(torch.float32)  # what a full payload would hold: the same sums
-        rest = shipped.to(torch.float64)
-        rest[:, self.col_common] = float("-inf")
-        p = rest.exp()
-        sums = torch.stack([(p * rest.clamp_min(-1e30)).sum(1), p.sum(1)], dim=1)
+        if self.outside is None:
+            self.outside = torch.ones(shipped.shape[1], dtype=torch.float32, device=self.dev)
+            self.outside[self.col_common] = 0.0
+        if exact_rows.supported(shipped):  # CPU: one Numba pass a row
+            sums, at = exact_rows.outside_sums(shipped, self.outside)
+        else:
+            p = shipped.exp() * self.outside
+            sums = torch.stack([torch.sum(p * shipped.clamp_min(-1e30), 1, dtype=torch.float64),
+                                torch.sum(p, 1, dtype=torch.float64)], dim=1)
+            at = shipped.argmax(1) if self.num_real else torch.zeros(
+                rows, dtype=torch.int64, device=self.dev)  # the first maximum of this shard
         all_reduce(sums, self.tp_group)
         if self.num_real:
-            at = shipped.argmax(1)  # the first maximum of this shard
             best = shipped.gather(1, at[:, None])[:, 0]
         else:
             best = shipped.new_full((rows,), float("-inf"))
-            at = torch.zeros(rows, dtype=torch.int64, device=self.dev)
         values = torch.cat(all_gather(best[:, None].contiguous(), self.tp_group), 1)
         ids = torch.cat(all_gather((at + self.vocab_start)[:, None].contiguous(), self.tp_group), 1)
         first = values.argmax(1, keepdim=True)  # shards in vocabulary order: the lowest id wins
