@@ -250,6 +250,9 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
    4,096  synthetic               3.02 s, 3.49x          2.53 s, 2.92x, 5.8%    -
    4,096  demo's real W (26%)     2.16 s, 2.52x          1.64 s, 1.92x, 7.8%    0.68 s, 0.79x
 
+  At V_s 128,256, 16,384 tokens (e45884d, one run): image 20.7 s, 0.86x CE (24.1 s), extra
+  memory 0.9% of the logits; 2.4x the chunk top-k's 8.6 s above.
+
   (CE 4.88 s at 16,384 tokens in that run, 0.86-0.87 s at 4,096.) Its payload is |I| + 5
   floats a chunk instead of V_t + 1: 26% of the full rows with the real W. The teacher pays
   for the sums outside I once per chunk: on CPU one Numba pass (``exact_rows.outside_sums``,
