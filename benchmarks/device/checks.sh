@@ -41,10 +41,10 @@ blocks() {  # the exact and gold forms: the default blocks (accelerators: within
   # logits, loss.student.block_positions) with a kernel profile, then the CPU rule's 85
   # positions a block (--block-mib 64) and 682 (512) at V_s 49,152
   python3 benchmarks/bench_loss.py --device cuda --tokens 16384 --vs 49152 \
-    --forms gold full image --repeat 3 --profile 15 || return
+    --forms gold full --repeat 3 --profile 15 || return
   for mib in 64 512; do
     python3 benchmarks/bench_loss.py --device cuda --tokens 16384 --vs 49152 \
-      --forms gold full image --repeat 3 --block-mib "$mib" || return
+      --forms gold full --repeat 3 --block-mib "$mib" || return
   done
 }
 [ $# -gt 0 ] || set -- gpu_tests bench_loss
@@ -53,7 +53,7 @@ for name in "$@"; do
     gpu_tests) part gpu_tests 330 python3 -m pytest -q -m gpu -p no:cacheprovider \
                  --durations=0 tests/test_gpu.py tests/test_loss_fused.py ;;
     bench_loss) part bench_loss 200 python3 benchmarks/bench_loss.py --device cuda \
-                  --tokens 16384 --forms topk chunk_topk gold full image --repeat 3 ;;
+                  --tokens 16384 --forms topk chunk_topk gold full --repeat 3 ;;
     bench_loss_blocks) part bench_loss_blocks 150 bash -c "$(declare -f blocks); blocks" ;;
     bench_sorted_top) part bench_sorted_top 90 python3 benchmarks/bench_sorted_top.py \
                         --device cuda --rows 1024 4096 16384 ;;
