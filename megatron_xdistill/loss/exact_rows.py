@@ -39,6 +39,7 @@ from numba import njit, prange
 
 from .common import EPS, TINY
 from .cpu_rows import FASTMATH, fast_exp, fast_log, first_argmax, row_max
+from .formulas import teacher_only_terms
 from .numba_cpu import numba_takes, use_torch_threads
 from .workspace import scratch
 
@@ -59,97 +60,73 @@ _SUM = 256
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _row_terms(lp, keys, outside, mode, beta, log_eps, const, argmax, zero, floor
-               ):  # pragma: no cover - numba
-    """For each payload row ``keys[j]`` of ``lp``: the first argmax, and the teacher-only
-    terms: mode 0 (forward KL) sum p log p - log(EPS) * outside mass, mode 1 (reverse)
-    nothing, mode 2 (JSD) -beta log(beta) * outside mass; p = exp(lp) in the pass, fp64
-    sums of :data:`_SUM`-element partials. One pass over the row, a piece at a time
-    (:data:`_PIECE`). ``zero``, ``floor``: 0 and -1e30 in the payload's dtype."""
+def _row_sums(lp, keys, entropy, outside, with_sums, sums, argmax, zero, floor
+              ):  # pragma: no cover - numba
+    """For each payload row ``keys[j]`` of ``lp``: the first argmax, and (``with_sums``)
+    sums[key] = (sum of p log p weighted by ``entropy``, sum of p weighted by ``outside``),
+    p = exp(lp) in the pass (0 log 0 = 0), fp64 totals of :data:`_SUM`-element partials. One
+    pass over the row, a piece at a time (:data:`_PIECE`). ``zero``, ``floor``: 0 and -1e30
+    in the payload's dtype."""
     n = lp.shape[1]
     for j in prange(keys.shape[0]):
         key = keys[j]
         row = lp[key]
         best, at = row[0], 0  # the first piece holding the largest value
         plogp = 0.0
-        out = 0.0
+        mass = 0.0
         for lo in range(0, n, _PIECE):
             hi = min(lo + _PIECE, n)
-            piece, off = row[lo:hi], outside[lo:hi]  # indices from 0: no wraparound checks
+            piece, ent, off = row[lo:hi], entropy[lo:hi], outside[lo:hi]  # indices from 0
             top = row_max(piece)
             if top > best:
                 best, at = top, lo
-            if mode == 1:
+            if not with_sums:
                 continue
             for s0 in range(0, piece.shape[0], _SUM):
-                pc, oc = piece[s0: s0 + _SUM], off[s0: s0 + _SUM]
+                pc, ec, oc = piece[s0: s0 + _SUM], ent[s0: s0 + _SUM], off[s0: s0 + _SUM]
                 a, b = zero, zero
                 for t in range(pc.shape[0]):
                     e = fast_exp(pc[t])
-                    a += e * max(pc[t], floor)  # 0 log 0 = 0 at a -inf log-prob (e = 0): a
-                    # select on e here would keep the loop from vectorising (5.4 ns an element)
+                    a += e * max(pc[t], floor) * ec[t]  # 0 log 0 = 0 at a -inf log-prob (e =
+                    # 0): a select on e here would keep the loop from vectorising (5.4 ns)
                     b += e * oc[t]
                 plogp += a
-                out += b
+                mass += b
         argmax[key] = at + first_argmax(row[at: min(at + _PIECE, n)])
-        if mode == 0:
-            const[key] = plogp - log_eps * out
-        elif mode == 2:
-            const[key] = -beta * math.log(beta) * out
+        sums[key, 0] = plogp
+        sums[key, 1] = mass
+
+
+def _sums_of_rows(logprobs: torch.Tensor, keys: torch.Tensor, entropy: torch.Tensor,
+                  outside: torch.Tensor, with_sums: bool, rows_per_step: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_row_sums` over the rows ``keys`` of ``logprobs`` [n, V], read in place,
+    ``rows_per_step`` to a parallel loop: (sums [n, 2] fp64, argmax [n] int64), filled for
+    ``keys``."""
+    n, width = logprobs.shape
+    sums = torch.zeros(n, 2, dtype=torch.float64)
+    argmax = torch.zeros(n, dtype=torch.int64)
+    if width == 0:
+        return sums, argmax
+    lp = _rows_in_place(logprobs)
+    weights = [w.to(logprobs.dtype).contiguous().numpy() for w in (entropy, outside)]
+    use_torch_threads()
+    for lo in range(0, keys.numel(), rows_per_step):
+        _row_sums(lp, keys[lo: lo + rows_per_step].contiguous().numpy(), *weights, with_sums,
+                  sums.numpy(), argmax.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
+    return sums, argmax
 
 
 def teacher_terms(logprobs: torch.Tensor, keys: torch.Tensor, in_image: torch.Tensor,
                   beta: float, rows_per_step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(const [n] fp64, argmax [n] int64) per payload row of ``logprobs`` [n, V_t], filled for
-    the rows ``keys``: the divergence's terms outside W's image (``in_image`` [V_t] bool) and
-    the teacher's argmax over V_t. Rows are read in place, ``rows_per_step`` to a parallel
-    loop."""
-    n, width = logprobs.shape
-    const = torch.zeros(n, dtype=torch.float64)
-    argmax = torch.zeros(n, dtype=torch.int64)
-    keys = torch.unique(keys)
-    outside = (~in_image).to(logprobs.dtype)
-    mode = 0 if beta == 0.0 else 1 if beta == 1.0 else 2
-    if width == 0:
-        return const, argmax
-    lp = logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()
-    use_torch_threads()
-    for lo in range(0, keys.numel(), rows_per_step):
-        _row_terms(lp.numpy(), keys[lo: lo + rows_per_step].numpy(), outside.numpy(), mode,
-                   float(beta), math.log(EPS), const.numpy(), argmax.numpy(),
-                   _scalar(0.0, lp), _scalar(-1e30, lp))
-    return const, argmax
-
-
-@njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _outside_rows(lp, outside, sums, argmax, zero, floor):  # pragma: no cover - numba
-    """For each row of ``lp``: sums[j] = (sum of p log p, sum of p) over the columns where
-    ``outside`` is 1 (p = exp(lp); 0 log 0 = 0), fp64 totals of :data:`_SUM`-element partials,
-    and argmax[j] its first argmax over all columns; one pass a piece at a time."""
-    n = lp.shape[1]
-    for j in prange(lp.shape[0]):
-        row = lp[j]
-        best, at = row[0], 0
-        plogp = 0.0
-        mass = 0.0
-        for lo in range(0, n, _PIECE):
-            hi = min(lo + _PIECE, n)
-            piece, off = row[lo:hi], outside[lo:hi]
-            top = row_max(piece)
-            if top > best:
-                best, at = top, lo
-            for s0 in range(0, piece.shape[0], _SUM):
-                pc, oc = piece[s0: s0 + _SUM], off[s0: s0 + _SUM]
-                a, b = zero, zero
-                for t in range(pc.shape[0]):
-                    e = fast_exp(pc[t]) * oc[t]
-                    a += e * max(pc[t], floor)
-                    b += e
-                plogp += a
-                mass += b
-        argmax[j] = at + first_argmax(row[at: min(at + _PIECE, n)])
-        sums[j, 0] = plogp
-        sums[j, 1] = mass
+    the rows ``keys``: the divergence's terms outside W's image (``in_image`` [V_t] bool;
+    :func:`.formulas.teacher_only_terms` of the row's entropy term and its mass outside I)
+    and the teacher's argmax over V_t."""
+    outside = ~in_image
+    sums, argmax = _sums_of_rows(logprobs, torch.unique(keys), torch.ones_like(outside),
+                                 outside, beta != 1.0, rows_per_step)
+    return teacher_only_terms(beta, sums[:, 0], sums[:, 1]), argmax
 
 
 def outside_sums(logprobs: torch.Tensor, outside: torch.Tensor
@@ -158,15 +135,8 @@ def outside_sums(logprobs: torch.Tensor, outside: torch.Tensor
     1, int64 [n]: the first argmax over all columns) of each row of ``logprobs`` [n, V]: the
     image form's teacher-only terms (``teacher.py``), one pass over each row (torch's float64
     sums took 8x the teacher's log-softmax at 151,936 columns)."""
-    n, width = logprobs.shape
-    sums = torch.zeros(n, 2, dtype=torch.float64)
-    argmax = torch.zeros(n, dtype=torch.int64)
-    if n == 0 or width == 0:
-        return sums, argmax
-    use_torch_threads()
-    _outside_rows(_rows_in_place(logprobs), outside.to(logprobs.dtype).contiguous().numpy(),
-                  sums.numpy(), argmax.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
-    return sums, argmax
+    n = logprobs.shape[0]
+    return _sums_of_rows(logprobs, torch.arange(n), outside, outside, True, max(n, 1))
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)

@@ -3,6 +3,8 @@ parallel loss (which differ in how they get there: dense vs sharded, chunked, re
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .common import EPS, TINY
@@ -28,6 +30,20 @@ def divergence(log_p: torch.Tensor, q: torch.Tensor | None, log_q: torch.Tensor,
     log_m = torch.log(beta * p + (1.0 - beta) * q)
     return (beta * (p * (log_p - log_m)).sum(-1)
             + (1.0 - beta) * (q * (log_q - log_m)).sum(-1))
+
+
+def teacher_only_terms(beta: float, plogp: torch.Tensor, outside_mass: torch.Tensor
+                       ) -> torch.Tensor:
+    """The divergence's terms on the teacher columns where the projected student mass is 0
+    (outside W's image, q = EPS there), float64 [rows]: forward KL ``plogp`` - log(EPS) *
+    (P's mass there), ``plogp`` the sum of P log P over the columns it covers; reverse KL
+    nothing; JSD beta KL(P || beta P) = -beta log(beta) * the mass there."""
+    plogp, outside_mass = plogp.to(torch.float64), outside_mass.to(torch.float64)
+    if beta == 0.0:
+        return plogp - math.log(EPS) * outside_mass
+    if beta == 1.0:
+        return torch.zeros_like(outside_mass)
+    return -beta * math.log(beta) * outside_mass
 
 
 def projected_kl(

@@ -12,13 +12,11 @@ projection onto I, the same formulas; on CPU one contiguous pass over each row
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import exact_rows
 from .collectives import Group
-from .common import EPS
+from .formulas import teacher_only_terms
 from .image_projection import ImageProjection
 from .kernels import DenseKernel
 from .payload import TeacherPayload
@@ -48,20 +46,19 @@ class ImageKernel(DenseKernel):
 
     def _outside_terms(self) -> torch.Tensor:
         """Per payload row, float64: the divergence's terms on the columns outside I, from the
-        teacher's sums (what :mod:`.exact_rows`' pass over the payload's own columns lacks)."""
-        plogp, mass = (t.reshape(-1) for t in self.payload.outside_sums())
-        if self.beta == 0.0:
-            return plogp - math.log(EPS) * mass
-        if self.beta == 1.0:  # reverse KL: nothing outside I
-            return torch.zeros_like(mass)
-        return -self.beta * math.log(self.beta) * mass  # JSD: beta KL(P || beta P) there
+        teacher's sums (what :mod:`.exact_rows`' pass over the payload's own columns lacks);
+        made once."""
+        if self._outside is None:
+            plogp, mass = (t.reshape(-1) for t in self.payload.outside_sums())
+            self._outside = teacher_only_terms(self.beta, plogp, mass)
+        return self._outside
 
     def _teacher_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(const, argmax) as :class:`DenseKernel` makes them from a full row: the forward
         KL's const also holds the entropy term on I, sum_{t in I} P log P (float64, from the
         payload rows of the call's keys, a slice of rows at a time)."""
         if self._terms is None:
-            const = self._outside_terms()
+            const = self._outside_terms().clone()
             if self.beta == 0.0:
                 keys = torch.unique(self.keys.to(self.logprobs.device))
                 step = self.teacher_rows_per_step(keys.numel(), self.logprobs.device)
@@ -78,9 +75,7 @@ class ImageKernel(DenseKernel):
         """The forward KL on I from the payload's own columns, plus the teacher's terms outside
         I; the teacher's argmax from the payload."""
         kl, at, g = exact_rows.image_kl_on_image(u, self.logprobs, keys, weight)
-        if self._outside is None:
-            self._outside = self._outside_terms()
-        kl = (kl + self._outside.index_select(0, keys)).to(u.dtype)
+        kl = (kl + self._outside_terms().index_select(0, keys)).to(u.dtype)
         return kl, at, self.payload.teacher_argmax.reshape(-1).index_select(0, keys), g
 
     def _exact_grad(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor

@@ -14,7 +14,6 @@ contribution, transposed).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +23,7 @@ from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .common import EPS, TINY
-from .formulas import divergence, projected_kl
+from .formulas import divergence, projected_kl, teacher_only_terms
 from .fused_grad import FusedGradWriter
 from .image_projection import ImageProjection
 from .numba_cpu import numba_takes
@@ -358,10 +357,7 @@ class DenseKernel:
             plogp = torch.sum(p.mul_(lp), -1, dtype=torch.float64)
             torch.exp(lp, out=p)
             outside = torch.sum(p.index_select(1, outside_cols), -1, dtype=torch.float64)
-            if self.beta == 0.0:
-                const[part] = plogp - math.log(EPS) * outside
-            else:  # JSD: beta * KL(P || beta P) on the columns outside I
-                const[part] = -self.beta * math.log(self.beta) * outside
+            const[part] = teacher_only_terms(self.beta, plogp, outside)
         return const, argmax
 
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:

@@ -73,7 +73,6 @@ class _Teacher:
         self.vocab_start = group_rank(tp_group) * v_local
         self.num_real = max(0, min(v_local, vocab_size - self.vocab_start))
         self.dev = logits.device
-        self.outside: torch.Tensor | None = None  # image form: 1 on the columns outside I
         if spec.form in ("gold", "image"):
             what = "common" if spec.form == "gold" else "image"
             if common_teacher_ids is None:
@@ -88,6 +87,9 @@ class _Teacher:
             local = (common >= self.vocab_start) & (common < self.vocab_start + self.num_real)
             self.pair_local = torch.nonzero(local, as_tuple=True)[0]
             self.col_common = common[local] - self.vocab_start
+            if spec.form == "image":  # 1 on this shard's real columns outside I
+                self.outside = torch.ones(self.num_real, device=self.dev)
+                self.outside[self.col_common] = 0.0
 
     def x(self, start: int, end: int) -> torch.Tensor:
         x = self.logits2d[start:end, : self.num_real].float()
@@ -133,9 +135,6 @@ class _Teacher:
         on_image[:, self.pair_local] = mean[:, self.col_common]
         all_reduce(on_image, self.tp_group)
         shipped = mean.to(torch.float32)  # what a full payload would hold: the same sums
-        if self.outside is None:
-            self.outside = torch.ones(shipped.shape[1], dtype=torch.float32, device=self.dev)
-            self.outside[self.col_common] = 0.0
         if exact_rows.supported(shipped):  # CPU: one Numba pass a row
             sums, at = exact_rows.outside_sums(shipped, self.outside)
         else:
