@@ -241,7 +241,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   The ``image`` form (``--forms image``; what training's ``--kd-topk 0`` ships since the
   commit that added it): the teacher sends W's image I only, with its float64 sums of P log P
   and of P over the other columns and its argmax, and the student reads each row in one
-  contiguous pass (``exact_rows.image_kl_on_image``: no pieces, no gather, no exp of the columns
+  contiguous pass (``image_rows.image_kl_on_image``: no pieces, no gather, no exp of the columns
   outside I). The same inputs as ``full`` (the payload rows cut to I, the sums taken here);
   one run each, 1 thread, V_s 49,152:
 

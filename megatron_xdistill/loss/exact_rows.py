@@ -221,81 +221,6 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
                 gr[k] = sr * (c - gr[k])
 
 
-@njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _kl_rows_on_image(u, lp, keys, inv_total, eps, kl, at, grad, scale, g, zero, floor
-                      ):  # pragma: no cover - numba
-    """:func:`_kl_rows` for payload rows that hold I's columns only (the ``image`` form: row
-    ``lp[keys[r]]`` is aligned with u[r]): kl[r] = sum_I P log P - sum_I P log(q + eps), the
-    first argmax of u[r], and with ``grad`` g[r] = scale[r] (c - P / (q + eps)). One
-    contiguous pass over the row: no pieces, no gather."""
-    for r in prange(u.shape[0]):
-        ur, row, inv = u[r], lp[keys[r]], inv_total[r]
-        plogp = 0.0
-        cross = 0.0
-        c = 0.0
-        gr = g[r] if grad else g[0]
-        for s0 in range(0, ur.shape[0], _SUM):
-            us, ps = ur[s0: s0 + _SUM], row[s0: s0 + _SUM]
-            a = zero * inv
-            x = zero * inv
-            if grad:
-                gs = gr[s0: s0 + _SUM]
-                y = zero * inv
-                for k in range(us.shape[0]):
-                    e = fast_exp(ps[k])
-                    q = us[k] * inv
-                    qe = q + eps
-                    a += e * max(ps[k], floor)
-                    x += e * fast_log(qe)
-                    d = e / qe
-                    gs[k] = d
-                    y += d * q
-                c += y
-            else:
-                for k in range(us.shape[0]):
-                    e = fast_exp(ps[k])
-                    a += e * max(ps[k], floor)
-                    x += e * fast_log(us[k] * inv + eps)
-            plogp += a
-            cross += x
-        kl[r] = plogp - cross
-        at[r] = first_argmax(ur) if ur.shape[0] else 0
-        if grad:
-            sr = scale[r]
-            for k in range(gr.shape[0]):
-                gr[k] = sr * (c - gr[k])
-
-
-def image_kl_on_image(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
-                      weight: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(forward KL on I per row, float64; column of I where u is largest; gradient or None)
-    of the rows ``keys`` of an ``image`` payload (``logprobs`` [n, |I|], I's columns only):
-    :func:`image_kl` without the terms outside I (the teacher's, from the payload) and
-    without the teacher's argmax. 1.1 against 1.9-2.2 ns a V_t element of a full row at
-    |I| = 58% of V_t, 0.46 against 1.3 at 26% (22 rows, one thread)."""
-    rows, width = u.shape
-    kl = torch.zeros(rows, dtype=torch.float64)
-    at = torch.zeros(rows, dtype=torch.int64)
-    grad = weight is not None
-    if rows == 0 or width == 0:
-        return kl, at, torch.zeros_like(u) if grad else None
-    if logprobs.shape[1] != width:
-        raise ValueError(f"image payload rows have {logprobs.shape[1]} columns, u {width}")
-    u = u.detach().contiguous()
-    sums, inv = _normaliser(u)
-    g = torch.empty_like(u) if grad else u.new_empty(1, 0)
-    scale = _grad_scale(weight, inv) if grad else inv
-    use_torch_threads()
-    _kl_rows_on_image(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(),
-                      inv.numpy(), _scalar(EPS, u), kl.numpy(), at.numpy(), grad,
-                      scale.numpy(), g.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
-    if grad:
-        _floored_rows(g, u, sums, inv, scale, logprobs, keys,
-                      torch.arange(width, device=u.device))
-    return kl, at, g if grad else None
-
-
 def _scalar(value: float, like: torch.Tensor):
     """``value`` as a NumPy scalar of ``like``'s dtype (Numba then keeps float32 arithmetic
     float32: a Python float would make every product float64)."""
@@ -402,5 +327,5 @@ def image_kl_grad(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
     return g
 
 
-__all__ = ["image_kl", "image_kl_grad", "image_kl_on_image", "outside_sums", "supported",
+__all__ = ["image_kl", "image_kl_grad", "outside_sums", "supported",
            "teacher_terms"]

@@ -7,14 +7,14 @@ with them (``payload.py``). The student then reads |I| columns a row, not V_t (t
 SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of ``bench_loss.py``: 87,607), and
 the payload shrinks as much. Everything else is :class:`~.kernels.DenseKernel`'s: the same
 projection onto I, the same formulas; on CPU one contiguous pass over each row
-(:func:`.exact_rows.image_kl_on_image`: no pieces of V_t, no gather).
+(:mod:`.image_rows`: no pieces of V_t, no gather).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import exact_rows
+from . import exact_rows, image_rows
 from .collectives import Group
 from .formulas import teacher_only_terms
 from .image_projection import ImageProjection
@@ -74,7 +74,7 @@ class ImageKernel(DenseKernel):
     def _exact(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor | None):
         """The forward KL on I from the payload's own columns, plus the teacher's terms outside
         I; the teacher's argmax from the payload."""
-        kl, at, g = exact_rows.image_kl_on_image(u, self.logprobs, keys, weight)
+        kl, at, g = image_rows.image_kl_on_image(u, self.logprobs, keys, weight)
         kl = (kl + self._outside_terms().index_select(0, keys)).to(u.dtype)
         return kl, at, self.payload.teacher_argmax.reshape(-1).index_select(0, keys), g
 

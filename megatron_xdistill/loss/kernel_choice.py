@@ -21,6 +21,7 @@ class NoKernel:
     """CE only: no chunk rows."""
 
     per_block = False
+    reads_logits = False
 
     @staticmethod
     def needs_softmax(like: torch.Tensor) -> bool:

@@ -159,6 +159,9 @@ class ColumnsKernel:
     """P-KL on the payload's teacher columns (``topk`` or ``chunk_topk`` forms)."""
 
     per_block = False
+    #: whether raw / backward_block read the block's logits (``BlockData.x``) besides its
+    #: softmax: if not, the forward may write the softmax over the logits (``grad_into_logits``)
+    reads_logits = False
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
                  rows: ChunkRows, beta: float, tp_group: Group) -> None:
@@ -273,6 +276,7 @@ class DenseKernel:
     """
 
     per_block = True
+    reads_logits = False
     #: fp32 [block, V_local] temporaries at a block's peak: the growth of the extra memory per
     #: block buffer, measured on one H200 (16k tokens, V_s 49,152) between 682 and 2,730
     #: positions a block (12.7 buffers at 85, with the call's fixed part)
@@ -441,6 +445,7 @@ class GoldKernel:
     """Gold / H-KL: KL on the common vocabulary + L1 of the sorted uncommon remainders."""
 
     per_block = True
+    reads_logits = True
     #: fp32 [block, V_local] temporaries at a block's peak (measured as DenseKernel's; 6.4 at 85)
     block_buffers = 6.2
 

@@ -83,8 +83,9 @@ class StudentLossPlan(BlockGradients):
         """Softmax of x over this shard's columns into ``out``; returns its log-partition."""
         if self.num_real == 0:
             return x.new_full((x.shape[0],), float("-inf"))
+        top = x.amax(1)  # before the softmax: ``out`` may be x itself
         torch.ops.aten._softmax.out(x, 1, False, out=out)
-        return x.amax(1) - out.amax(1).log()  # the largest p is 1 / sum exp(x - max x)
+        return top - out.amax(1).log()  # the largest p is 1 / sum exp(x - max x)
 
     def _targets(self) -> None:
         """Per position, once per call: has a label (as 0/1 in the compute dtype), the label's
@@ -149,6 +150,7 @@ class StudentLossPlan(BlockGradients):
         self.grad_now = self._can_grad_now()
         if self.grad_now:
             self._start_grad_now(logits)
+        in_grad = self._softmax_in_grad()
         for index, blk in enumerate(rows.blocks):
             if self.fused:  # the block's logits as they are; no softmax buffer
                 x, probs = logits2d[blk.start: blk.end, : self.num_real], None
@@ -158,7 +160,8 @@ class StudentLossPlan(BlockGradients):
                 lz_local = self._partition_logits(x, logits2d, blk.start, blk.end)
             else:
                 x = self._x(logits2d, blk.start, blk.end)
-                probs = self._workspace(blk.end - blk.start, x, "p")
+                probs = (in_grad[blk.start: blk.end] if in_grad is not None
+                         else self._workspace(blk.end - blk.start, x, "p"))
                 lz_local = self._partition(x, probs, logits2d, blk.start, blk.end)
             if blk.row_end == blk.row_start:
                 if self.grad_now:
