@@ -260,6 +260,26 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   sums took 397 ms; 9.4 ms for 64 rows at 6876b68); on a GPU an exp and two sums over the
   logits it already holds.
 
+  The block's softmax written straight into its rows of the gradient buffer (no [block, V]
+  copy a block) and the image pass's gradient into a reused buffer (62c5055; A/B against
+  65dfb03, runs alternated, CE 3.4-3.5 s at 16,384 tokens, 0.86-0.89 s at 4,096):
+
+  tokens  W           before                     after
+  16,384  synthetic   9.91-10.95 s, 2.78-3.24x   9.17-10.14 s, 2.60-2.87x, 3.8%
+  16,384  real W      6.34-6.94 s, 1.80-1.97x    5.85-6.23 s, 1.64-1.77x, 3.3-4.2%  (chunk_topk 2.89 s)
+   4,096  real W      1.65-1.68 s, 1.84-1.93x    1.59-1.66 s, 1.84-1.87x, 6.3%      (chunk_topk 0.65-0.71 s)
+
+  Block size at 16,384 tokens, real W (``--block-mib``, one run each, positions a block: s):
+  42: 5.95, 85 (the default): 6.09, 170: 6.61, 341: 7.04; the default stays. In-process at
+  16,384 tokens with the real W (6.0 s): W's two products 1.4 s, the blocks' softmax with its
+  log-partitions 1.2 (torch's softmax 0.69 of it, the two row maxima 0.37), the image pass
+  1.2, the gradient's transposed copy ~0.5, the rows' sums 0.63, the gradient's dots and
+  combine 0.35 each. Tried and left: the image pass writing its gradient transposed (tiles of
+  2,048 columns of all the rows; no faster, ``loss/image_rows.py``), one pass for the dots and
+  the combine with one TP rank (0.96 against 0.90 s over 16k positions: both are bound by
+  memory), a Numba softmax that returns the log-partitions (1.03 against torch's 1.06 s with
+  the two maxima).
+
   (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's
