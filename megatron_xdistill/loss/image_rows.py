@@ -7,7 +7,9 @@ gradient on u, into a buffer kept between blocks (a block's [rows, |I|] is 20 Mi
 and |I| 87,607). Writing it transposed, as W's backward product reads it, a tile of 2,048
 columns of all the rows at a time, saved that product's transposing copy but was no faster
 in all (20.0-20.5 against 20.5-21.4 ms at 60 rows, one thread, payload rows from memory): a
-tile reads 2 x rows short runs where the row pass reads two streams.
+tile reads 2 x rows short runs where the row pass reads two streams; 16 rows at a time in
+tiles of 4,096 columns: 7.3-7.5 against 7.7 ms with the copy at |I| 40,132, and no gain
+in-process (``benchmarks/bench_loss.py``).
 """
 
 from __future__ import annotations
