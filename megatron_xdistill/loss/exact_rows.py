@@ -273,11 +273,13 @@ def _grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 
 def _floored_rows(g, u, sums, inv, scale, logprobs, keys, image) -> None:
     """Rows whose sum u falls under TINY: the floor holds the total, so the normalisation
-    contributes nothing there (as autograd's ``clamp_min``): -scale P / (q + EPS) alone."""
+    contributes nothing there (as autograd's ``clamp_min``): -scale P / (q + EPS) alone.
+    ``image``: the payload columns of u's columns, None where they are the same."""
     floored = sums < TINY
     if bool(floored.any()):
         q = u[floored] * inv[floored, None]
-        p = logprobs.index_select(0, keys[floored])[:, image].to(u.dtype).exp()
+        p = logprobs.index_select(0, keys[floored])
+        p = (p if image is None else p[:, image]).to(u.dtype).exp()
         g[floored] = -scale[floored, None] * p / (q + EPS)
 
 

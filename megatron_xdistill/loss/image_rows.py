@@ -27,10 +27,10 @@ from .workspace import scratch
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _kl_rows_on_image(u, lp, keys, inv_total, eps, kl, at, grad, scale, g, zero, floor
                       ):  # pragma: no cover - numba
-    """:func:`.exact_rows._kl_rows` for payload rows that hold I's columns only (the ``image`` form: row
-    ``lp[keys[r]]`` is aligned with u[r]): kl[r] = sum_I P log P - sum_I P log(q + eps), the
-    first argmax of u[r], and with ``grad`` g[r] = scale[r] (c - P / (q + eps)). One
-    contiguous pass over the row: no pieces, no gather."""
+    """:func:`.exact_rows._kl_rows` for payload rows that hold I's columns only (the ``image``
+    form: row ``lp[keys[r]]`` is aligned with u[r]): kl[r] = sum_I P log P - sum_I P
+    log(q + eps), the first argmax of u[r], and with ``grad`` g[r] = scale[r] (c - P /
+    (q + eps)). One contiguous pass over the row: no pieces, no gather."""
     for r in prange(u.shape[0]):
         ur, row, inv = u[r], lp[keys[r]], inv_total[r]
         plogp = 0.0
@@ -96,8 +96,7 @@ def image_kl_on_image(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tenso
                       inv.numpy(), _scalar(EPS, u), kl.numpy(), at.numpy(), grad,
                       scale.numpy(), g.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
     if grad:
-        _floored_rows(g, u, sums, inv, scale, logprobs, keys,
-                      torch.arange(width, device=u.device))
+        _floored_rows(g, u, sums, inv, scale, logprobs, keys, None)
     return kl, at, g if grad else None
 
 
