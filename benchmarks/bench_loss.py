@@ -283,6 +283,23 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   memory), a Numba softmax that returns the log-partitions (1.03 against torch's 1.06 s with
   the two maxima).
 
+  The forward's softmax left unnormalised for the exact form (``cpu_rows.row_exp_``: a max and
+  one exp pass; 1 / the row's sum goes into the per-row factor the projection and its
+  backward read the softmax through, so no normalising pass and no second maximum for the
+  log-partition): in-process at 16,384 tokens, real W, one thread, alternated 3x, the
+  softmax part 1.27-1.34 -> 0.96-1.00 s, the call 5.96-6.60 -> 5.91-6.23 s; bench A/B
+  against f9cf8f3, alternated 3x (machine state drifting: CE 3.5 s), 6.41 / 7.21 / 7.38 ->
+  6.64 / 7.03 / 6.40 s (means 7.00 -> 6.69). Tried and left (2026-11-29): the scaling done in
+  the rows' sums' pass instead (in place: the block written twice, no gain in all);
+  the dots <p, h> taken in W's backward product while a tile of h is in L1 (1.15 -> 1.89 s for
+  the two products against the 0.39 s of the dots' own pass: 85 short runs of p a tile);
+  W's products in groups of 8-30 rows so the gathered operand fits L2 (1.97 / 2.01 ms a block
+  whole, 2.07-3.90 / 2.28-6.21 in groups, forward / backward). W's forward product with its
+  operand rows permuted by their first column of I was 1.48 against 1.97 ms (the rows'
+  sums would then scatter their rows: not taken). At 2 threads on this 2-vCPU machine the
+  vector-bound Numba passes do not scale (the image pass 5.97 -> 6.13 ms a block) while CE,
+  bound by memory, halves its wall time: compare forms at one thread here.
+
   (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's

@@ -109,6 +109,36 @@ def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numb
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("alias", [False, True])
+def test_row_exp_leaves_the_softmax_for_its_norm(dtype, alias):
+    """out * norm is torch's softmax and lz its logsumexp, in float64; -inf columns; a row of
+    -inf gives NaN probabilities; strided rows (a view of wider logits); out may be x."""
+    from megatron_xdistill.loss.cpu_rows import row_exp_
+
+    gen = torch.Generator().manual_seed(2)
+    for width in (1, 17, 5000):
+        wide = (torch.randn(6, width + 7, generator=gen, dtype=torch.float64) * 4).to(dtype)
+        x = wide[:, :width]
+        x[2, : width // 2] = -math.inf
+        x[4] = -math.inf
+        want = torch.softmax(x.double(), 1)
+        want_lz = torch.logsumexp(x.double(), 1)
+        out = x if alias else torch.empty_like(x)
+        lz, norm = row_exp_(out, x)
+        tol = 1e-6 if dtype == torch.float32 else 1e-13
+        keep = torch.arange(6) != 4
+        torch.testing.assert_close((out * norm[:, None]).double()[keep], want[keep],
+                                   rtol=tol, atol=tol)
+        torch.testing.assert_close(lz.double()[keep], want_lz[keep], rtol=tol, atol=0)
+        assert bool((out[4] * norm[4]).isnan().all())
+    lz, norm = row_exp_(torch.empty(3, 0, dtype=dtype), torch.empty(3, 0, dtype=dtype))
+    assert bool((lz == -math.inf).all())
+    assert row_exp_(torch.empty(0, 5, dtype=dtype), torch.empty(0, 5, dtype=dtype))[0].shape == (0,)
+    with pytest.raises(ValueError, match="unit stride"):
+        row_exp_(torch.empty(5, 3, dtype=dtype), torch.empty(3, 5, dtype=dtype).t())
+
+
 def test_image_projection_backward_takes_the_projection_itself_as_its_gradient():
     """The backward reuses the projection's buffers (the projection is valid until the next
     projection or backward); given the projection's own output as the gradient, it still

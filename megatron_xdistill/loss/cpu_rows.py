@@ -253,6 +253,66 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+#: columns a partial sum of :func:`_exp_sum_row` takes in the rows' dtype (vectorised) before
+#: it is added in fp64: one fp32 sum over a 5,000-column row was 6x further from the
+#: float64 softmax than torch's
+_PART = 256
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _exp_sum_piece(o, xi, m):  # pragma: no cover - numba
+    part = _zero_of(m)  # in the rows' dtype: vectorised
+    for v in range(o.shape[0]):
+        e = fast_exp(xi[v] - m)
+        o[v] = e
+        part += e
+    return part
+
+
+@njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
+def _exp_sums(out, x, top, total, same):  # pragma: no cover - numba
+    """out[i] = exp(x[i] - top[i]), total[i] = its sum (fp64 over :data:`_PART` pieces).
+    ``same``: out is x, and each piece goes to the loop as one array (two slices of one row
+    are two arrays to LLVM: its overlap check sent the loop scalar, 6x slower)."""
+    for i in prange(x.shape[0]):
+        m, row_total = top[i], 0.0
+        for v0 in range(0, x.shape[1], _PART):
+            xc = x[i, v0: v0 + _PART]
+            if same:
+                row_total += _exp_sum_piece(xc, xc, m)
+            else:
+                row_total += _exp_sum_piece(out[i, v0: v0 + _PART], xc, m)
+        total[i] = row_total
+
+
+def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax of each row of ``x`` [n, V] left unnormalised: ``out = exp(x - max x)``
+    per row (``out`` is ``x`` itself or does not overlap it; CPU float32 / float64, rows of
+    unit stride). Returns (log-partition, 1 / sum of the row's exps): the softmax is ``out``
+    times the latter, which a caller that reads the softmax through a per-row factor folds in
+    there (the loss's forward for the exact form: a max, one exp pass with fp64 sums of
+    :data:`_PART`-column partials, no normalising pass and no second row maximum for the
+    log-partition; 0.96-1.00 against 1.27-1.34 s for torch's softmax at 16k positions x
+    49,152 columns, one thread, in-process). A row of -inf gives NaN probabilities, as torch's
+    softmax."""
+    if not (numba_takes(out) and x.dtype == out.dtype and out.shape == x.shape
+            and out.stride(-1) == 1 and x.stride(-1) == 1):
+        raise ValueError("row_exp_ takes CPU float32 / float64 rows of unit stride, out and x "
+                         f"of one shape; got {out.dtype} / {x.dtype}, shapes "
+                         f"{tuple(out.shape)} / {tuple(x.shape)}, strides {out.stride()} / "
+                         f"{x.stride()}")
+    n = x.shape[0]
+    top = x.amax(1) if x.shape[1] else x.new_full((n,), -math.inf)
+    total = x.new_empty(n)
+    if n and x.shape[1]:
+        use_torch_threads()
+        same = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
+        _exp_sums(out.detach().numpy(), x.detach().numpy(), top.numpy(), total.numpy(), same)
+    else:
+        total.zero_()
+    return top.add_(total.log()), total.reciprocal_()
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _exp_row(o, xi, z, c):  # pragma: no cover - numba
     for v in range(o.shape[0]):
@@ -319,4 +379,4 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
 
 
 __all__ = ["FASTMATH", "exp_spread_", "fast_exp", "fast_log", "first_argmax", "prefetch",
-           "row_logsumexp"]
+           "row_exp_", "row_logsumexp"]

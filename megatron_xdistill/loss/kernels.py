@@ -41,7 +41,8 @@ class BlockData:
     ``probs_local * factor[:, None]`` (this shard's softmax, rescaled)."""
 
     x: torch.Tensor            # [n, V_real] logits / T
-    probs_local: torch.Tensor  # [n, V_real] softmax of x over this shard's columns
+    probs_local: torch.Tensor  # [n, V_real] softmax of x over this shard's columns (forward,
+    # kernels with ``takes_unnormalised_softmax`` on CPU: exp(x - max x), 1 / sum in factor)
     factor: torch.Tensor       # [n] exp(shard log-partition - TP-wide log-partition)
     logz: torch.Tensor         # [n] TP-wide log-partition of x
     seg: torch.Tensor          # [n] row within the block, -1 for none
@@ -277,6 +278,9 @@ class DenseKernel:
 
     per_block = True
     reads_logits = False
+    #: reads the block's softmax only as ``probs_local * factor`` (the projection and its
+    #: backward): the forward may hand it exp(x - max x) with 1 / sum in the factor
+    takes_unnormalised_softmax = True
     #: fp32 [block, V_local] temporaries at a block's peak: the growth of the extra memory per
     #: block buffer, measured on one H200 (16k tokens, V_s 49,152) between 682 and 2,730
     #: positions a block (12.7 buffers at 85, with the call's fixed part)

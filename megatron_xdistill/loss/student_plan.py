@@ -23,6 +23,7 @@ from .block_gradients import BlockGradients, take_rows
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_rank, group_size
 from .kernels import BlockData, Raw
+from .numba_cpu import numba_takes
 from .workspace import scratch
 
 
@@ -58,6 +59,9 @@ class StudentLossPlan(BlockGradients):
         self.max_block = max_block
         self.dtype = torch.float32  # compute dtype (float64 for float64 logits, e.g. gradcheck)
         self.split_raw: Raw | None = None
+        # Per position, 1 / the sum of its unnormalised softmax row (``_unnormalised``), during
+        # the forward only; None otherwise.
+        self.norm: torch.Tensor | None = None
         # One TP rank: the shard's softmax is the softmax (no reductions, factor 1).
         self.single = group_size(tp_group) == 1
 
@@ -105,7 +109,11 @@ class StudentLossPlan(BlockGradients):
 
     def _factor(self, lz_local: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """exp(shard log-partition - TP-wide log-partition) of positions [lo, hi): what turns
-        this shard's softmax into the TP-wide one (ones with one TP rank)."""
+        this shard's softmax into the TP-wide one (ones with one TP rank). In a forward whose
+        blocks hold their softmax unnormalised, times 1 / each row's sum (``norm``)."""
+        if self.norm is not None:
+            norm = self.norm[lo:hi]
+            return norm if self.single else torch.exp(lz_local - self.logz[lo:hi]).mul_(norm)
         return self.ones[lo:hi] if self.single else torch.exp(lz_local - self.logz[lo:hi])
 
     def _block(self, x, probs_local, lz_local, blk, index: int) -> BlockData:
@@ -114,9 +122,18 @@ class StudentLossPlan(BlockGradients):
         return BlockData(x, probs_local, self._factor(lz_local, lo, hi), self.logz[lo:hi],
                          rows.block_seg[lo:hi],
                          blk.row_end - blk.row_start, blk.row_start, rows.block_seg_dummy[lo:hi],
-                         extra, index, unit_factor=self.single,
+                         extra, index, unit_factor=self.single and self.norm is None,
                          lz_local=lz_local if self.fused or probs_local is None else None,
                          scale=1.0 / self.temp)
+
+    def _unnormalised(self, logits2d: torch.Tensor) -> bool:
+        """Whether the forward leaves each block's softmax as exp(x - max x)
+        (:func:`cpu_rows.row_exp_`) with 1 / its sum folded into the factor: kernels that read
+        it only as ``probs_local * factor`` (``takes_unnormalised_softmax``), Numba on CPU. The
+        softmax's normalising pass over the block (and a second row maximum) are saved."""
+        return (not self.fused and not self.logits_only and self.tail is None
+                and getattr(self.kernel, "takes_unnormalised_softmax", False)
+                and numba_takes(logits2d.new_empty(0, dtype=self.dtype)))
 
     # ----------------------------------------------------------------- forward
     def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,6 +160,7 @@ class StudentLossPlan(BlockGradients):
         if self.labels is not None:
             self._targets()
         self.extra = torch.empty(n_pos, **opts) if self.tail is not None else None
+        self.norm = torch.empty(n_pos, **opts) if self._unnormalised(logits2d) else None
         acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
         raws, split_buf = [], None
         # The label's logit is read before any block's gradient may be written over it.
@@ -189,6 +207,7 @@ class StudentLossPlan(BlockGradients):
         acc[:2] += self._finish_split(split_buf, logits2d)
         if self.labels is not None:
             acc[2] += self._ce_sum(picked)
+        self.norm = None  # the backward recomputes its softmaxes normalised
         self.kd_count = rows.owned.sum().double()
         self.top1 = acc[1]
         self.ce_count = (torch.zeros((), dtype=torch.float64) if self.labels is None
@@ -213,7 +232,12 @@ class StudentLossPlan(BlockGradients):
         saved per-position values (with TP: one max and one sum all-reduce). Returns the local
         log-partition."""
         lz_local = self.lz_local[start:end]
-        lz_local.copy_(self._local_softmax(x, probs))
+        if self.norm is not None:  # left unnormalised: 1 / sum goes into the factor
+            lz, norm = cpu_rows.row_exp_(probs, x)
+            lz_local.copy_(lz)
+            self.norm[start:end].copy_(norm)
+        else:
+            lz_local.copy_(self._local_softmax(x, probs))
         lz1 = None
         if self._ce_extra:  # CE's partition at T = 1 needs a softmax of its own
             z = self._x(logits2d, start, end, unscaled=True)
