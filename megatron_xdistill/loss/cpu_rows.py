@@ -253,9 +253,9 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-#: columns a partial sum of :func:`_exp_sum_row` takes in the rows' dtype (vectorised) before
-#: it is added in fp64: one fp32 sum over a 5,000-column row was 6x further from the
-#: float64 softmax than torch's
+#: columns a partial sum of :func:`_exp_sums` takes in the rows' dtype (vectorised) before it
+#: is added in fp64: one fp32 sum over a 5,000-column row was 6x further from the float64
+#: softmax than torch's
 _PART = 256
 
 
@@ -301,13 +301,13 @@ def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
                          f"of one shape; got {out.dtype} / {x.dtype}, shapes "
                          f"{tuple(out.shape)} / {tuple(x.shape)}, strides {out.stride()} / "
                          f"{x.stride()}")
-    n = x.shape[0]
+    n, x = x.shape[0], x.detach()
     top = x.amax(1) if x.shape[1] else x.new_full((n,), -math.inf)
     total = x.new_empty(n)
     if n and x.shape[1]:
         use_torch_threads()
         same = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
-        _exp_sums(out.detach().numpy(), x.detach().numpy(), top.numpy(), total.numpy(), same)
+        _exp_sums(out.detach().numpy(), x.numpy(), top.numpy(), total.numpy(), same)
     else:
         total.zero_()
     return top.add_(total.log()), total.reciprocal_()
