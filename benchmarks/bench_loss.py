@@ -287,10 +287,11 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   one exp pass; 1 / the row's sum goes into the per-row factor the projection and its
   backward read the softmax through, so no normalising pass and no second maximum for the
   log-partition): in-process at 16,384 tokens, real W, one thread, alternated 3x, the
-  softmax part 1.27-1.34 -> 0.96-1.00 s, the call 5.96-6.60 -> 5.91-6.23 s; bench A/B
+  softmax part 1.27-1.34 -> 0.96-1.00 s, the call 6.30-6.60 -> 5.91-6.23 s; bench A/B
   against f9cf8f3, alternated 3x (machine state drifting: CE 3.5 s), 6.41 / 7.21 / 7.38 ->
   6.64 / 7.03 / 6.40 s (means 7.00 -> 6.69). Tried and left (2026-11-29): the scaling done in
-  the rows' sums' pass instead (in place: the block written twice, no gain in all);
+  the rows' sums' pass instead (in place: the block written twice; the call 5.96-6.24 s
+  before, 6.04-6.30 after, alternated 3x: no gain);
   the dots <p, h> taken in W's backward product while a tile of h is in L1 (1.15 -> 1.89 s for
   the two products against the 0.39 s of the dots' own pass: 85 short runs of p a tile);
   W's products in groups of 8-30 rows so the gathered operand fits L2 (1.97 / 2.01 ms a block
