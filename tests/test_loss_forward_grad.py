@@ -207,3 +207,16 @@ def test_a_second_backward_raises_clearly():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="taken by an earlier backward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("lift", [40.0, 100.0])
+def test_forward_gradient_with_logits_far_above_the_first_columns(lift):
+    """The exact form's forward leaves each block's softmax unnormalised, shifted by its
+    first 256 columns' maximum (``cpu_rows.row_exp_``): student logits ``lift`` nats higher
+    past column 256 (exps up to e^40 read through the per-row factor; at 100 the shift
+    moves up) still give the float64 reference's loss and gradient."""
+    case = _case()
+    case.student_logits[..., 256: case.vs] += lift
+    loss, grad = _grad(case, "pkl", "full", 1.0, True, True, weighted=True, padded=False)
+    ref, ref_grad = case.reference_loss("pkl", 1.0, True)
+    _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)

@@ -139,6 +139,36 @@ def test_row_exp_leaves_the_softmax_for_its_norm(dtype, alias):
         row_exp_(torch.empty(5, 3, dtype=dtype), torch.empty(3, 5, dtype=dtype).t())
 
 
+@pytest.mark.parametrize("alias", [False, True])
+def test_row_exp_moves_its_shift_up_where_a_later_piece_would_overflow(alias):
+    """The shift is the first 256-column piece's maximum until a later piece's exps pass
+    ~e^62: rows whose maximum lies 40 (kept: exps up to e^40), 100 and 1,000 nats above
+    their first piece (moved, once and twice), a first piece of -inf, +inf in a later piece
+    (NaN, as torch), against float64."""
+    from megatron_xdistill.loss.cpu_rows import row_exp_
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 1000, generator=gen, dtype=torch.float64) * 3
+    x[0, 300:] += 40.0
+    x[1, 300:] += 100.0
+    x[2, 300:600] += 100.0
+    x[2, 800:] += 1000.0
+    x[3, :256] = -math.inf
+    x[3, 600:] -= 500.0
+    x[4, 700] = math.inf
+    x = x.float()
+    want = torch.softmax(x.double(), 1)
+    want_lz = torch.logsumexp(x.double(), 1)
+    out = x.clone() if alias else torch.empty_like(x)
+    lz, norm = row_exp_(out, out if alias else x)
+    assert float(out[0].max()) > math.exp(35)  # the first piece's shift kept
+    torch.testing.assert_close((out * norm[:, None]).double()[:4], want[:4], rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(lz.double()[[0, 1, 2, 3, 5]], want_lz[[0, 1, 2, 3, 5]],
+                               rtol=1e-6, atol=0)
+    assert bool((out[4] * norm[4]).isnan().all()) and bool(want[4].isnan().all())
+
+
 def test_image_projection_backward_takes_the_projection_itself_as_its_gradient():
     """The backward reuses the projection's buffers (the projection is valid until the next
     projection or backward); given the projection's own output as the gradient, it still
@@ -742,3 +772,32 @@ def test_exact_rows_image_kl_and_its_gradient_equal_autograds(dtype):
             scale = float(grad_want[r].abs().max())
             torch.testing.assert_close(got[r], grad_want[r], rtol=tol, atol=tol * scale)
             torch.testing.assert_close(with_kl[r], grad_want[r], rtol=tol, atol=tol * scale)
+
+
+def test_cpu_scratch_buffers_start_on_a_huge_page_and_are_advised_for_huge_pages():
+    """A CPU scratch buffer of 2 MiB or more starts on a 2 MiB boundary and its mapping
+    carries the huge-page advice (``hg`` in /proc/self/smaps' VmFlags, Linux with THP);
+    a smaller one is a plain buffer; both hold what is written to them."""
+    from pathlib import Path
+
+    from megatron_xdistill.loss import workspace
+
+    numel = workspace.HUGE_PAGE // 4 * 3 + 5  # 6 MiB and 20 bytes of float32
+    buf = workspace.scratch("test_huge", numel, torch.device("cpu"), torch.float32)
+    assert buf.numel() == numel and buf.data_ptr() % workspace.HUGE_PAGE == 0
+    buf.copy_(torch.arange(numel, dtype=torch.float32))
+    assert float(buf[-1]) == numel - 1
+    small = workspace.scratch("test_small", 100, torch.device("cpu"), torch.float64)
+    assert small.numel() == 100 and small.dtype == torch.float64
+    if not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        pytest.skip("no transparent huge pages on this kernel")
+    address, flags, inside = buf.data_ptr(), None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            flags = line.split()[1:]
+            break
+    assert flags is not None and "hg" in flags, flags

@@ -257,6 +257,11 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
 #: is added in fp64: one fp32 sum over a 5,000-column row was 6x further from the float64
 #: softmax than torch's
 _PART = 256
+#: a piece's fp32 sum of exps above which :func:`_exp_sums` moves its shift up to the piece's
+#: maximum (~e^62: every exp and partial stays a finite float32, 1 / sum of a row a normal one;
+#: a row whose first piece holds a value within ~62 of its maximum, any row of a trained
+#: model's logits but a freak one, keeps that piece's maximum)
+_PIECE_LIMIT = 1e27
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -269,32 +274,58 @@ def _exp_sum_piece(o, xi, m):  # pragma: no cover - numba
     return part
 
 
+@njit(inline="always")
+def _rescale(o, s):  # pragma: no cover - numba
+    for v in range(o.shape[0]):
+        o[v] = o[v] * s  # in float64 (s is), one rounding into o's dtype
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _exp_sums(out, x, top, total, same):  # pragma: no cover - numba
-    """out[i] = exp(x[i] - top[i]), total[i] = its sum (fp64 over :data:`_PART` pieces).
-    ``same``: out is x, and each piece goes to the loop as one array (two slices of one row
-    are two arrays to LLVM: its overlap check sent the loop scalar, 6x slower)."""
+def _exp_sums(out, x, shift, total, same):  # pragma: no cover - numba
+    """out[i] = exp(x[i] - shift[i]), total[i] = its sum (fp64 over :data:`_PART` pieces),
+    in one pass over the row: shift[i] is its first piece's maximum (the row's, where that
+    piece is all -inf), moved up to a later piece's maximum where that piece's sum of exps
+    passes :data:`_PIECE_LIMIT` (the pieces before it scaled by exp(old - new) in float64,
+    the piece taken again), so no pass of its own for the row's maximum. ``same``: out is x;
+    each piece's exps go to an L1 buffer, then over the piece (x is still there if the piece
+    is taken again)."""
+    part_len = min(_PART, x.shape[1])
     for i in prange(x.shape[0]):
-        m, row_total = top[i], 0.0
+        buf = np.empty(part_len, x.dtype)
+        row = x[i]
+        c = row_max(row[:part_len])
+        if c == -math.inf:
+            c = row_max(row)  # -inf still: a row of -inf, NaN as torch's softmax
+        row_total = 0.0
         for v0 in range(0, x.shape[1], _PART):
-            xc = x[i, v0: v0 + _PART]
+            xc = row[v0: v0 + _PART]
+            o = buf[: xc.shape[0]] if same else out[i, v0: v0 + _PART]
+            part = _exp_sum_piece(o, xc, c)
+            if part > _PIECE_LIMIT:  # a value > c + ~62 (inf: +inf or overflow; NaN: not)
+                top = row_max(xc)
+                s = math.exp(float(c) - float(top))
+                _rescale(out[i, :v0], s)
+                row_total *= s
+                c = top
+                part = _exp_sum_piece(o, xc, c)
             if same:
-                row_total += _exp_sum_piece(xc, xc, m)
-            else:
-                row_total += _exp_sum_piece(out[i, v0: v0 + _PART], xc, m)
+                xc[:] = o
+            row_total += part
+        shift[i] = c
         total[i] = row_total
 
 
 def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax of each row of ``x`` [n, V] left unnormalised: ``out = exp(x - max x)``
-    per row (``out`` is ``x`` itself or does not overlap it; CPU float32 / float64, rows of
-    unit stride). Returns (log-partition, 1 / sum of the row's exps): the softmax is ``out``
-    times the latter, which a caller that reads the softmax through a per-row factor folds in
-    there (the loss's forward for the exact form: a max, one exp pass with fp64 sums of
-    :data:`_PART`-column partials, no normalising pass and no second row maximum for the
-    log-partition; 0.96-1.00 against 1.27-1.34 s for torch's softmax at 16k positions x
-    49,152 columns, one thread, in-process). A row of -inf gives NaN probabilities, as torch's
-    softmax."""
+    """The softmax of each row of ``x`` [n, V] left unnormalised: ``out = exp(x - shift)``
+    per row, ``shift`` within ~62 of the row's maximum (``out`` is ``x`` itself or does not
+    overlap it; CPU float32 / float64, rows of unit stride). Returns (log-partition, 1 / sum
+    of the row's exps): the softmax is ``out`` times the latter, which a caller that reads
+    the softmax through a per-row factor folds in there (the loss's forward for the exact
+    form: one exp pass with the shift taken as it goes and fp64 sums of :data:`_PART`-column
+    partials; no pass for the row's maximum, no normalising pass, no second row maximum for
+    the log-partition; 0.96-1.00 against 1.27-1.34 s for torch's softmax at 16k positions x
+    49,152 columns, one thread, in-process, with a max pass of its own). A row of -inf gives
+    NaN probabilities, as torch's softmax."""
     if not (numba_takes(out) and x.dtype == out.dtype and out.shape == x.shape
             and out.stride(-1) == 1 and x.stride(-1) == 1):
         raise ValueError("row_exp_ takes CPU float32 / float64 rows of unit stride, out and x "
@@ -302,15 +333,13 @@ def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
                          f"{tuple(out.shape)} / {tuple(x.shape)}, strides {out.stride()} / "
                          f"{x.stride()}")
     n, x = x.shape[0], x.detach()
-    top = x.amax(1) if x.shape[1] else x.new_full((n,), -math.inf)
-    total = x.new_empty(n)
+    shift = x.new_full((n,), -math.inf)
+    total = x.new_zeros(n)
     if n and x.shape[1]:
         use_torch_threads()
         same = out.data_ptr() == x.data_ptr() and out.stride() == x.stride()
-        _exp_sums(out.detach().numpy(), x.numpy(), top.numpy(), total.numpy(), same)
-    else:
-        total.zero_()
-    return top.add_(total.log()), total.reciprocal_()
+        _exp_sums(out.detach().numpy(), x.numpy(), shift.numpy(), total.numpy(), same)
+    return shift.add_(total.log()), total.reciprocal_()
 
 
 @njit(inline="always", fastmath=FASTMATH)

@@ -40,6 +40,9 @@ _AHEAD = 8
 #: Rows :func:`_row_sums_t` sums before writing them transposed (one row at a time, each
 #: store a line of its own: 4.3 -> 2.9 ms at 85 positions, 8.8 -> 4.7 at 120; 16: 3.4 / 6.7)
 _ROW_BLOCK = 32
+#: Positions ahead whose tile :func:`_row_sums_t` asks the CPU to fetch while it adds the current
+#: one (each tile of a position is its own 1 KiB run, a page away from the last)
+_SUMS_AHEAD = 2
 #: Lines of a tile: the Numba kernels below work on [tile, rows] pieces of the transposed
 #: operands (~20-90 KiB at 22-90 rows, within L2), written out or read in the rows' order.
 _TILE = 256
@@ -52,6 +55,7 @@ def _row_sums_t(p, factor, order, row_off, mass_t):  # pragma: no cover - numba
     columns at a time (parallel over tiles), :data:`_ROW_BLOCK` rows summed into an L1 piece
     before they are written (each store then fills a run of a line of mass_t)."""
     n, rows = p.shape[1], row_off.shape[0] - 1
+    step, last = max(1, 64 // p.itemsize), order.shape[0] - _SUMS_AHEAD  # elements a line
     for tile in prange((n + _TILE - 1) // _TILE):
         s0 = tile * _TILE
         width = min(_TILE, n - s0)
@@ -62,6 +66,10 @@ def _row_sums_t(p, factor, order, row_off, mass_t):  # pragma: no cover - numba
                 a = acc[b]
                 a[:] = 0.0
                 for j in range(row_off[r0 + b], row_off[r0 + b + 1]):
+                    if j < last:  # the tile of the position _SUMS_AHEAD on, on its way
+                        ahead = order[j + _SUMS_AHEAD]
+                        for k in range(s0, s0 + width, step):
+                            prefetch(p, ahead, k)
                     i = order[j]
                     f, pi = factor[i], p[i, s0: s0 + width]
                     for s in range(width):
