@@ -240,7 +240,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
 
   The ``image`` form (``--forms image``; what training's ``--kd-topk 0`` ships since the
   commit that added it): the teacher sends W's image I only, with its float64 sums of P log P
-  and of P over the other columns and its argmax, and the student reads each row in one
+  and of P over the other columns and its argmax (log P on I then; P since 2026-11-29), and the student reads each row in one
   contiguous pass (``image_rows.image_kl_on_image``: no pieces, no gather, no exp of the columns
   outside I). The same inputs as ``full`` (the payload rows cut to I, the sums taken here);
   one run each, 1 thread, V_s 49,152:
@@ -255,7 +255,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
 
   (CE 4.88 s at 16,384 tokens in that run, 0.86-0.87 s at 4,096.) Its payload is |I| + 5
   floats a chunk instead of V_t + 1: 26% of the full rows with the real W. The teacher pays
-  for the sums outside I once per chunk: on CPU one Numba pass (``exact_rows.outside_sums``,
+  for the sums outside I once per chunk: on CPU one Numba pass (``exact_rows.image_sums``,
   23.5 ms for 128 rows x 151,936 at b1199c1 against its log-softmax's 46 ms; torch's float64
   sums took 397 ms; 9.4 ms for 64 rows at 6876b68); on a GPU an exp and two sums over the
   logits it already holds.
@@ -562,7 +562,7 @@ else:
                 torch.randn(min(256, c - lo), vt, generator=gen), -1)
         flat[0, c * vt:] = 1.0  # has_teacher
         payload = TeacherPayload.from_flat(flat, spec)
-    elif form == "image":  # the full form's rows on W's image, the teacher's sums outside it
+    elif form == "image":  # P on W's image from the full form's rows, the teacher's sums
         from megatron_xdistill.loss import teacher_image
         from megatron_xdistill.loss.payload import float64_as_pair
         image = teacher_image(idx, w, vs)
@@ -575,10 +575,10 @@ else:
         rest[image] = False
         for lo in range(0, c, 256):
             block = torch.log_softmax(torch.randn(min(256, c - lo), vt, generator=gen), -1)
-            rows[lo: lo + 256] = block[:, image]
-            out = block[:, rest].double()
-            sums[lo: lo + 256, 0] = (out.exp() * out).sum(-1)
-            sums[lo: lo + 256, 1] = out.exp().sum(-1)
+            rows[lo: lo + 256] = block[:, image].exp()
+            every = block.double()
+            sums[lo: lo + 256, 0] = (every.exp() * every).sum(-1)
+            sums[lo: lo + 256, 1] = every[:, rest].exp().sum(-1)
             argmax[lo: lo + 256] = block.argmax(-1).float()
         at = c * image.numel()
         flat[0, at + c: at + 5 * c] = float64_as_pair(sums).reshape(-1)  # after has_teacher

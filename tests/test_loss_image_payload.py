@@ -1,8 +1,8 @@
-"""The ``image`` payload: the exact P-KL's teacher columns on W's image I only, with the
-teacher's float64 sums over the other columns and its argmax over all of V_t.
+"""The ``image`` payload: the exact P-KL's teacher probabilities on W's image I only, with the
+teacher's float64 sums (P log P over all of V_t, P outside I) and its argmax over all of V_t.
 
-The teacher side against the full payload of the same logits (its columns of I, sums taken
-here in float64 over the rest, the first argmax); the loss from it against the float64 dense
+The teacher side against the full payload of the same logits (the exp of its columns of I,
+sums taken here in float64, the first argmax); the loss from it against the float64 dense
 reference (forward KL, with and without CE, the CPU's direct passes and the torch path a GPU
 takes, the default backward and the forward-written gradient) and against the full form's
 loss for the reverse KL and the JSD. Layouts (TP, CP) are in ``test_loss_parallel.py``.
@@ -47,18 +47,20 @@ def test_image_payload_is_the_full_payload_on_the_image_with_the_teachers_sums()
     full, got = _payload(case, "full", 1.5), _payload(case, "image", 1.5)
     has = full.has_teacher
     assert torch.equal(got.has_teacher, has)
-    torch.testing.assert_close(got.logprobs[has], full.logprobs[has][:, image], rtol=1e-6,
-                               atol=1e-7)
+    assert got.logprobs is None
+    torch.testing.assert_close(got.probs[has], full.logprobs[has][:, image].double().exp().float(),
+                               rtol=1e-6, atol=1e-12)
     rest = torch.ones(case.vt, dtype=torch.bool)
     rest[image] = False
-    lp = full.logprobs[has][:, rest].double()
-    plogp, mass = got.outside_sums()  # float32 terms (the CPU's vectorised exp), float64 sums
+    lp = full.logprobs[has].double()
+    plogp, mass = got.teacher_sums()  # float32 terms (the CPU's vectorised exp), float64 sums
     torch.testing.assert_close(plogp[has], (lp.exp() * lp).sum(-1), rtol=1e-6, atol=1e-12)
-    torch.testing.assert_close(mass[has], lp.exp().sum(-1), rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(mass[has], lp[:, rest].exp().sum(-1), rtol=1e-6, atol=1e-12)
     assert torch.equal(got.teacher_argmax[has], full.logprobs[has].argmax(-1))
     back = TeacherPayload.from_flat(got.to_flat(), got.spec)  # the transport's float32 row
-    assert torch.equal(back.outside_sums()[0], plogp) and torch.equal(back.teacher_argmax,
+    assert torch.equal(back.teacher_sums()[0], plogp) and torch.equal(back.teacher_argmax,
                                                                       got.teacher_argmax)
+    assert torch.equal(back.probs, got.probs) and back.logprobs is None
     assert got.spec.numel < full.spec.numel
 
 
@@ -139,9 +141,10 @@ def test_the_image_form_needs_its_ids():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_image_rows_pass_equals_the_full_rows_pass(dtype):
-    """exact_rows' pass over I's columns alone, plus the terms outside I, against its pass over
-    full rows (checked against autograd in test_loss_kernels): KL, u's argmax and the gradient;
-    in float64 also a row with no projected mass (the floor holds its sum)."""
+    """The pass over P on I's columns alone, plus the teacher's sums (entropy over all
+    columns, -log EPS x the mass outside I), against exact_rows' pass over full log-prob rows
+    (checked against autograd in test_loss_kernels): KL, u's argmax and the gradient; in
+    float64 also a row with no projected mass (the floor holds its sum)."""
     gen = torch.Generator().manual_seed(3)
     n, vt = 9, 5000
     lp = torch.log_softmax(3 * torch.randn(n, vt, generator=gen, dtype=dtype), -1)
@@ -156,15 +159,17 @@ def test_the_image_rows_pass_equals_the_full_rows_pass(dtype):
     outside[image] = 0.0
     weight = torch.tensor([0.5, 2.0, 1.0, 1.5, 3.0, 1.0], dtype=dtype)
     kl, at, _, g = exact_rows.image_kl(u, lp, keys, image, outside, weight)
-    on, at_on, g_on = image_rows.image_kl_on_image(u, lp[:, image].contiguous(), keys, weight)
-    rest = lp[:, outside.bool()].double()
-    p = rest.exp()
-    const = (p * rest.clamp_min(-1e30)).sum(-1) - torch.log(torch.tensor(EPS, dtype=torch.float64)) * p.sum(-1)
+    probs = lp[:, image].exp()
+    on, at_on, g_on = image_rows.image_kl_on_image(u, probs, keys, weight)
+    every = lp.double()
+    p = every.exp()
+    const = ((p * every.clamp_min(-1e30)).sum(-1)
+             - torch.log(torch.tensor(EPS, dtype=torch.float64)) * p[:, outside.bool()].sum(-1))
     tol = 1e-6 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close((on + const[keys]).to(dtype), kl, rtol=tol, atol=tol)
     assert torch.equal(at_on, at)
     torch.testing.assert_close(g_on, g, rtol=tol, atol=tol * float(g.abs().max()))
-    no_grad = image_rows.image_kl_on_image(u, lp[:, image].contiguous(), keys)
+    no_grad = image_rows.image_kl_on_image(u, probs, keys)
     torch.testing.assert_close(no_grad[0], on, rtol=tol, atol=0.0)
     assert no_grad[2] is None
 

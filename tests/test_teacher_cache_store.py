@@ -189,6 +189,14 @@ def test_manifest_and_completeness(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(CacheError, match="version 99"):
         load_manifest(tmp_path)
+    # version 1: its image payloads held log P (refilled); its other forms are read as they are
+    data["version"] = 1
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert load_manifest(tmp_path).key == KEY
+    data["key"] = {**KEY, "payload": {**KEY.get("payload", {}), "form": "image"}}
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(CacheError, match="version 1 of an image payload"):
+        load_manifest(tmp_path)
 
 
 def test_checkpoint_fingerprint_follows_files_and_metadata(tmp_path):

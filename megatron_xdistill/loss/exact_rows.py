@@ -129,14 +129,15 @@ def teacher_terms(logprobs: torch.Tensor, keys: torch.Tensor, in_image: torch.Te
     return teacher_only_terms(beta, sums[:, 0], sums[:, 1]), argmax
 
 
-def outside_sums(logprobs: torch.Tensor, outside: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float64 [n, 2]: the sums of P log P and of P over the columns where ``outside`` [V] is
-    1, int64 [n]: the first argmax over all columns) of each row of ``logprobs`` [n, V]: the
-    image form's teacher-only terms (``teacher.py``), one pass over each row (torch's float64
-    sums took 8x the teacher's log-softmax at 151,936 columns)."""
+def image_sums(logprobs: torch.Tensor, outside: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 [n, 2]: the sum of P log P over all columns and of P over the columns where
+    ``outside`` [V] is 1, int64 [n]: the first argmax over all columns) of each row of
+    ``logprobs`` [n, V]: the image form's teacher sums (``teacher.py``), one pass over each
+    row (torch's float64 sums took 8x the teacher's log-softmax at 151,936 columns)."""
     n = logprobs.shape[0]
-    return _sums_of_rows(logprobs, torch.arange(n), outside, outside, True, max(n, 1))
+    every = torch.ones(logprobs.shape[1], dtype=logprobs.dtype, device=logprobs.device)
+    return _sums_of_rows(logprobs, torch.arange(n), every, outside, True, max(n, 1))
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
@@ -271,15 +272,17 @@ def _grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return (weight.to(inv.dtype).expand(inv.shape[0]) * inv).contiguous()
 
 
-def _floored_rows(g, u, sums, inv, scale, logprobs, keys, image) -> None:
+def _floored_rows(g, u, sums, inv, scale, logprobs, keys, image, probs: bool = False) -> None:
     """Rows whose sum u falls under TINY: the floor holds the total, so the normalisation
     contributes nothing there (as autograd's ``clamp_min``): -scale P / (q + EPS) alone.
-    ``image``: the payload columns of u's columns, None where they are the same."""
+    ``image``: the payload columns of u's columns, None where they are the same; ``probs``:
+    the payload rows hold P, not log P."""
     floored = sums < TINY
     if bool(floored.any()):
         q = u[floored] * inv[floored, None]
         p = logprobs.index_select(0, keys[floored])
-        p = (p if image is None else p[:, image]).to(u.dtype).exp()
+        p = (p if image is None else p[:, image]).to(u.dtype)
+        p = p if probs else p.exp()
         g[floored] = -scale[floored, None] * p / (q + EPS)
 
 
@@ -329,5 +332,5 @@ def image_kl_grad(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
     return g
 
 
-__all__ = ["image_kl", "image_kl_grad", "outside_sums", "supported",
+__all__ = ["image_kl", "image_kl_grad", "image_sums", "supported",
            "teacher_terms"]

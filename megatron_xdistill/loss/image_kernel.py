@@ -2,12 +2,14 @@
 
 A column outside I gets projected mass 0 whatever the student does, so its share of the KL is
 the teacher's alone; the image form's teacher computes it once per chunk (the float64 sums of
-P log P and of P over those columns, and its argmax over all of V_t) and ships the columns of I
-with them (``payload.py``). The student then reads |I| columns a row, not V_t (the demo's
+P log P over all of V_t and of P over the columns outside I, and its argmax over all of V_t)
+and ships P on the columns of I with them (``payload.py``). The student then reads |I| columns a row, not V_t (the demo's
 SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of ``bench_loss.py``: 87,607), and
 the payload shrinks as much. Everything else is :class:`~.kernels.DenseKernel`'s: the same
 projection onto I, the same formulas; on CPU one contiguous pass over each row
-(:mod:`.image_rows`: no pieces of V_t, no gather).
+(:mod:`.image_rows`: no pieces of V_t, no gather, no exp). Reverse KL and the JSD read log P
+on I as the log of the shipped P floored at TINY (a teacher probability under 1.2e-38 counts
+as 1.2e-38 there; the forward KL reads P itself).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from . import exact_rows, image_rows
 from .collectives import Group
+from .common import TINY
 from .formulas import teacher_only_terms
 from .image_projection import ImageProjection
 from .kernels import DenseKernel
@@ -38,49 +41,48 @@ class ImageKernel(DenseKernel):
                 f"TP) has {self.proj.size}: the teacher must ship the image of the same "
                 f"projection (teacher_payload(..., image_teacher_ids="
                 f"teacher_image(indices, weights, student_vocab_size)))")
-        self.logprobs = payload.logprobs.reshape(-1, payload.spec.width)
+        self.probs = payload.probs.reshape(-1, payload.spec.width)
         self.keys = keys
         self._terms: tuple[torch.Tensor, torch.Tensor] | None = None
         self._outside: torch.Tensor | None = None
-        self.columns = torch.arange(self.proj.size, device=self.logprobs.device)  # its own
 
     def _outside_terms(self) -> torch.Tensor:
-        """Per payload row, float64: the divergence's terms on the columns outside I, from the
-        teacher's sums (what :mod:`.exact_rows`' pass over the payload's own columns lacks);
-        made once."""
+        """Per payload row, float64: the divergence's teacher-only terms (the forward KL's:
+        the entropy over V_t and the columns outside I; the others': outside I), from the
+        teacher's sums; made once."""
         if self._outside is None:
-            plogp, mass = (t.reshape(-1) for t in self.payload.outside_sums())
+            plogp, mass = (t.reshape(-1) for t in self.payload.teacher_sums())
             self._outside = teacher_only_terms(self.beta, plogp, mass)
         return self._outside
 
     def _teacher_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(const, argmax) as :class:`DenseKernel` makes them from a full row: the forward
-        KL's const also holds the entropy term on I, sum_{t in I} P log P (float64, from the
-        payload rows of the call's keys, a slice of rows at a time)."""
+        """(const, argmax) as :class:`DenseKernel` makes them from a full row, from the
+        teacher's sums and argmax."""
         if self._terms is None:
-            const = self._outside_terms().clone()
-            if self.beta == 0.0:
-                keys = torch.unique(self.keys.to(self.logprobs.device))
-                step = self.teacher_rows_per_step(keys.numel(), self.logprobs.device)
-                for part in keys.split(step):
-                    lp = self.logprobs.index_select(0, part).to(torch.float64)
-                    const[part] += (lp.exp() * lp.clamp_min(-1e30)).sum(-1)
-            self._terms = const, self.payload.teacher_argmax.reshape(-1)
+            self._terms = self._outside_terms(), self.payload.teacher_argmax.reshape(-1)
         return self._terms
 
+    def _p_on_image(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.probs.index_select(0, keys)
+
     def _logp_on_image(self, keys: torch.Tensor) -> torch.Tensor:
-        return self.logprobs.index_select(0, keys)
+        return self.probs.index_select(0, keys).clamp_min(TINY).log()
 
     def _exact(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor | None):
-        """The forward KL on I from the payload's own columns, plus the teacher's terms outside
-        I; the teacher's argmax from the payload."""
-        kl, at, g = image_rows.image_kl_on_image(u, self.logprobs, keys, weight)
+        """The forward KL on I from the payload's own columns, plus the teacher's terms (its
+        entropy, the columns outside I); the teacher's argmax from the payload."""
+        kl, at, g = image_rows.image_kl_on_image(u, self.probs, keys, weight)
         kl = (kl + self._outside_terms().index_select(0, keys)).to(u.dtype)
         return kl, at, self.payload.teacher_argmax.reshape(-1).index_select(0, keys), g
 
     def _exact_grad(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor
                     ) -> torch.Tensor:
-        return exact_rows.image_kl_grad(u, self.logprobs, keys, self.columns, weight)
+        """The gradient of :meth:`_exact`'s pass (its KL made too: a log an element, as the
+        exp of a log-prob row's pass), copied out of the pass's reused buffer."""
+        return image_rows.image_kl_on_image(u, self.probs, keys, weight)[2].clone()
+
+    def _direct(self, u: torch.Tensor) -> bool:
+        return self.beta == 0.0 and exact_rows.supported(u) and exact_rows.supported(self.probs)
 
 
 __all__ = ["ImageKernel"]

@@ -1,15 +1,17 @@
 """The image form's per-row work on CPU: the forward KL on I from payload rows that hold I only.
 
-An ``image`` payload row is aligned with the projected mass u [rows, |I|] column for column, so
-its pass reads both contiguously, one row at a time: no pieces of V_t, no gather, no exp of a
-column outside I. With a weight (a forward that writes the gradient) the same pass writes the
-gradient on u, into a buffer kept between blocks (a block's [rows, |I|] is 20 MiB at 60 rows
-and |I| 87,607). Writing it transposed, as W's backward product reads it, a tile of 2,048
-columns of all the rows at a time, saved that product's transposing copy but was no faster
-in all (20.0-20.5 against 20.5-21.4 ms at 60 rows, one thread, payload rows from memory): a
-tile reads 2 x rows short runs where the row pass reads two streams; 16 rows at a time in
-tiles of 4,096 columns: 7.3-7.5 against 7.7 ms with the copy at |I| 40,132, and no gain
-in-process (``benchmarks/bench_loss.py``).
+An ``image`` payload row holds the teacher's P on I, aligned with the projected mass u [rows,
+|I|] column for column, so its pass reads both contiguously, one row at a time: no pieces of
+V_t, no gather, no exp (the teacher ships P and the sum of P log P; a row of log P took an exp
+an element here: 5.0-6.3 against 3.7-3.8 ms a block of 60 rows x 40,132, one thread), a log
+and a divide an element. With a weight (a forward that writes the gradient) the same pass
+writes the gradient on u, into a buffer kept between blocks (a block's [rows, |I|] is 20 MiB
+at 60 rows and |I| 87,607). Writing it transposed, as W's backward product reads it, a tile of
+2,048 columns of all the rows at a time, saved that product's transposing copy but was no
+faster in all (20.0-20.5 against 20.5-21.4 ms at 60 rows, one thread, payload rows from
+memory): a tile reads 2 x rows short runs where the row pass reads two streams; 16 rows at a
+time in tiles of 4,096 columns: 7.3-7.5 against 7.7 ms with the copy at |I| 40,132, and no
+gain in-process (``benchmarks/bench_loss.py``).
 """
 
 from __future__ import annotations
@@ -18,50 +20,43 @@ import torch
 from numba import njit, prange
 
 from .common import EPS
-from .cpu_rows import FASTMATH, fast_exp, fast_log, first_argmax
+from .cpu_rows import FASTMATH, fast_log, first_argmax
 from .exact_rows import _SUM, _floored_rows, _grad_scale, _normaliser, _rows_in_place, _scalar
 from .numba_cpu import use_torch_threads
 from .workspace import scratch
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
-def _kl_rows_on_image(u, lp, keys, inv_total, eps, kl, at, grad, scale, g, zero, floor
-                      ):  # pragma: no cover - numba
-    """:func:`.exact_rows._kl_rows` for payload rows that hold I's columns only (the ``image``
-    form: row ``lp[keys[r]]`` is aligned with u[r]): kl[r] = sum_I P log P - sum_I P
-    log(q + eps), the first argmax of u[r], and with ``grad`` g[r] = scale[r] (c - P /
-    (q + eps)). One contiguous pass over the row: no pieces, no gather."""
+def _cross_rows_on_image(u, pp, keys, inv_total, eps, cross, at, grad, scale, g, zero
+                         ):  # pragma: no cover - numba
+    """Per row r, against payload row ``pp[keys[r]]`` (P on I, aligned with u[r]): cross[r]
+    = sum_I P log(q + eps), q = u[r] inv_total[r] (fp64 over :data:`_SUM`-element partials),
+    the first argmax of u[r], and with ``grad`` g[r] = scale[r] (c - P / (q + eps)), c = sum_I
+    P q / (q + eps). One contiguous pass over the row: no pieces, no gather."""
     for r in prange(u.shape[0]):
-        ur, row, inv = u[r], lp[keys[r]], inv_total[r]
-        plogp = 0.0
-        cross = 0.0
+        ur, row, inv = u[r], pp[keys[r]], inv_total[r]
+        x_total = 0.0
         c = 0.0
         gr = g[r] if grad else g[0]
         for s0 in range(0, ur.shape[0], _SUM):
             us, ps = ur[s0: s0 + _SUM], row[s0: s0 + _SUM]
-            a = zero * inv
             x = zero * inv
             if grad:
                 gs = gr[s0: s0 + _SUM]
                 y = zero * inv
                 for k in range(us.shape[0]):
-                    e = fast_exp(ps[k])
                     q = us[k] * inv
                     qe = q + eps
-                    a += e * max(ps[k], floor)
-                    x += e * fast_log(qe)
-                    d = e / qe
+                    x += ps[k] * fast_log(qe)
+                    d = ps[k] / qe
                     gs[k] = d
                     y += d * q
                 c += y
             else:
                 for k in range(us.shape[0]):
-                    e = fast_exp(ps[k])
-                    a += e * max(ps[k], floor)
-                    x += e * fast_log(us[k] * inv + eps)
-            plogp += a
-            cross += x
-        kl[r] = plogp - cross
+                    x += ps[k] * fast_log(us[k] * inv + eps)
+            x_total += x
+        cross[r] = x_total
         at[r] = first_argmax(ur) if ur.shape[0] else 0
         if grad:
             sr = scale[r]
@@ -69,35 +64,35 @@ def _kl_rows_on_image(u, lp, keys, inv_total, eps, kl, at, grad, scale, g, zero,
                 gr[k] = sr * (c - gr[k])
 
 
-def image_kl_on_image(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
+def image_kl_on_image(u: torch.Tensor, probs: torch.Tensor, keys: torch.Tensor,
                       weight: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(forward KL on I per row, float64; column of I where u is largest; gradient or None)
-    of the rows ``keys`` of an ``image`` payload (``logprobs`` [n, |I|], I's columns only):
-    :func:`.exact_rows.image_kl` without the terms outside I (the teacher's, from the
-    payload) and without the teacher's argmax. The gradient is a view of a reused buffer,
-    valid until the next call. 1.1 against 1.9-2.2 ns a V_t element of a full row at
-    |I| = 58% of V_t, 0.46 against 1.3 at 26% (22 rows, one thread)."""
+    """(-sum_I P log(q + EPS) per row, float64: the forward KL's part on I that the student
+    moves; column of I where u is largest; gradient on u or None) of the rows ``keys`` of an
+    ``image`` payload (``probs`` [n, |I|], P on I's columns only): the KL is this plus the
+    teacher's sums (entropy over V_t, -log EPS x the mass outside I). The gradient is a view
+    of a reused buffer, valid until the next call. 0.46 against 1.3 ns a V_t element of a full
+    row at |I| = 26% of V_t (22 rows, one thread, with an exp an element)."""
     rows, width = u.shape
     kl = torch.zeros(rows, dtype=torch.float64)
     at = torch.zeros(rows, dtype=torch.int64)
     grad = weight is not None
     if rows == 0 or width == 0:
         return kl, at, torch.zeros_like(u) if grad else None
-    if logprobs.shape[1] != width:
-        raise ValueError(f"image payload rows have {logprobs.shape[1]} columns, u {width}")
+    if probs.shape[1] != width:
+        raise ValueError(f"image payload rows have {probs.shape[1]} columns, u {width}")
     u = u.detach().contiguous()
     sums, inv = _normaliser(u)
     g = (scratch("image_grad", rows * width, u.device, u.dtype).view(rows, width) if grad
          else u.new_empty(1, 0))
     scale = _grad_scale(weight, inv) if grad else inv
     use_torch_threads()
-    _kl_rows_on_image(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(),
-                      inv.numpy(), _scalar(EPS, u), kl.numpy(), at.numpy(), grad,
-                      scale.numpy(), g.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
+    _cross_rows_on_image(u.numpy(), _rows_in_place(probs), keys.contiguous().numpy(),
+                         inv.numpy(), _scalar(EPS, u), kl.numpy(), at.numpy(), grad,
+                         scale.numpy(), g.numpy(), _scalar(0.0, probs))
     if grad:
-        _floored_rows(g, u, sums, inv, scale, logprobs, keys, None)
-    return kl, at, g if grad else None
+        _floored_rows(g, u, sums, inv, scale, probs, keys, None, probs=True)
+    return kl.neg_(), at, g if grad else None
 
 
 __all__ = ["image_kl_on_image"]

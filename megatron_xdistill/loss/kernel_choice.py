@@ -161,7 +161,7 @@ def teacher_vocab(payload: TeacherPayload, projection, tp_group: Group = None) -
     cols = payload.teacher_argmax if payload.spec.form == "image" else payload.columns
     size = max(hi, int(cols.max()) + 1 if cols.numel() else 0, 1)
     if payload.spec.form == "image":
-        total = torch.tensor([size], dtype=torch.int64, device=payload.logprobs.device)
+        total = torch.tensor([size], dtype=torch.int64, device=payload.has_teacher.device)
         all_reduce(total, tp_group, "max")
         size = int(total)
     return size

@@ -382,11 +382,11 @@ class DenseKernel:
             return kl, self._top1(at, teacher_at) if top1 else None
         q = u / u.sum(-1, keepdim=True).clamp_min(TINY)
         log_q = torch.log(q + EPS)
-        log_p = self._logp_on_image(keys).to(q.dtype)
         if self.beta == 0.0:
-            kl = self.const.index_select(0, keys).to(q.dtype) - (log_p.exp() * log_q).sum(-1)
+            p = self._p_on_image(keys).to(q.dtype)
+            kl = self.const.index_select(0, keys).to(q.dtype) - (p * log_q).sum(-1)
         else:  # on I as formulas.divergence, plus the teacher-only part outside I
-            kl = divergence(log_p, q, log_q, self.beta)
+            kl = divergence(self._logp_on_image(keys).to(q.dtype), q, log_q, self.beta)
             if self.beta != 1.0:
                 kl = kl + self.const.index_select(0, keys).to(q.dtype)
         if not top1:
@@ -413,6 +413,10 @@ class DenseKernel:
     def _logp_on_image(self, keys: torch.Tensor) -> torch.Tensor:
         """The payload rows ``keys`` on the columns of I [r, |I|]."""
         return self.logprobs.index_select(0, keys).index_select(1, self.proj.image)
+
+    def _p_on_image(self, keys: torch.Tensor) -> torch.Tensor:
+        """P on the columns of I of the payload rows ``keys`` [r, |I|]."""
+        return self._logp_on_image(keys).exp()
 
     def _exact(self, u: torch.Tensor, keys: torch.Tensor, weight: torch.Tensor | None):
         """:func:`.exact_rows.image_kl` of the rows ``keys`` (KL, u's argmax on I, the

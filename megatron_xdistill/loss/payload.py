@@ -15,12 +15,14 @@ Forms (``PayloadSpec.form``):
                 teacher tokens) + ``tail_logprob`` [B, C] (log of the rest's summed mass).
 ``gold``        ``logprobs`` [B, C, M] at the common teacher ids (in the order of the common
                 pairs) + ``uncommon_probs`` [B, C, L], the uncommon probs sorted descending.
-``image``       the exact form's payload on W's image I only: ``logprobs`` [B, C, |I|] at the
-                teacher ids of I (ascending) + ``outside`` [B, C, 4], the float64 sums over the
-                columns outside I of P log P and of P (P = exp of the chunk-mean log-probs), each
-                as a float32 (hi, lo) pair + ``teacher_argmax`` [B, C], the teacher's first
-                argmax over all of V_t. Exact, like ``full``: a column outside I gets projected
-                mass 0 whatever the student does, so the loss needs only those sums there.
+``image``       the exact form's payload on W's image I only: ``probs`` [B, C, |I|], the teacher's
+                P = exp(chunk-mean log-probs) at the teacher ids of I (ascending; probabilities,
+                not logs: the student's pass over them then takes no exp) + ``outside``
+                [B, C, 4], the float64 sum of P log P over all of V_t (0 log 0 = 0) and of P over
+                the columns outside I, each as a float32 (hi, lo) pair + ``teacher_argmax``
+                [B, C], the teacher's first argmax over all of V_t. Exact, like ``full``: a
+                column outside I gets projected mass 0 whatever the student does, so the loss
+                needs only those sums there. No ``logprobs``.
 
 ``has_teacher`` [B, C]: the chunk has at least one teacher predicting position. Rows of chunks
 without one hold zeros (and column 0) and must not be used.
@@ -70,7 +72,7 @@ class PayloadSpec:
 
     def _parts(self) -> list[tuple[str, tuple[int, ...]]]:
         c, w = self.num_chunks, self.width
-        parts = [("logprobs", (c, w)), ("has_teacher", (c,))]
+        parts = [("probs" if self.form == "image" else "logprobs", (c, w)), ("has_teacher", (c,))]
         if self.form == "topk":
             parts.append(("columns", (w,)))
         if self.form == "chunk_topk":
@@ -107,16 +109,17 @@ class TeacherPayload:
     """Chunk-level teacher distributions of one microbatch (see the module docstring)."""
 
     spec: PayloadSpec
-    logprobs: torch.Tensor
+    logprobs: torch.Tensor | None  # None in the image form (it ships ``probs``)
     has_teacher: torch.Tensor
     columns: torch.Tensor | None = None
     tail_logprob: torch.Tensor | None = None
     uncommon_probs: torch.Tensor | None = None
     outside: torch.Tensor | None = None
     teacher_argmax: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        b = self.logprobs.shape[0]
+        b = self.has_teacher.shape[0]
         for name, shape in self.spec._parts():
             value = getattr(self, name)
             if value is None or tuple(value.shape) != (b, *shape):
@@ -125,7 +128,13 @@ class TeacherPayload:
 
     @property
     def batch_size(self) -> int:
-        return int(self.logprobs.shape[0])
+        return int(self.has_teacher.shape[0])
+
+    @classmethod
+    def of_parts(cls, spec: PayloadSpec, values: dict[str, torch.Tensor]) -> TeacherPayload:
+        """A payload from its parts by name (``spec``'s; ``logprobs`` None where the form has
+        none)."""
+        return cls(spec=spec, **{"logprobs": None, **values})
 
     def to_flat(self) -> torch.Tensor:
         """One float32 row per sample: [B, spec.numel] (columns as exact float32 integers)."""
@@ -157,13 +166,13 @@ class TeacherPayload:
             elif name == "has_teacher":
                 part = part > 0.5
             values[name] = part
-        return cls(spec=spec, **values)
+        return cls.of_parts(spec, values)
 
-    def outside_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Image form: (sum of P log P, sum of P) over the teacher columns outside W's image,
-        float64 [B, C] each."""
+    def teacher_sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Image form: (sum of P log P over all of V_t, sum of P over the teacher columns
+        outside W's image), float64 [B, C] each."""
         if self.spec.form != "image":
-            raise ValueError(f"only image payloads carry the sums outside I, not {self.spec.form!r}")
+            raise ValueError(f"only image payloads carry the teacher's sums, not {self.spec.form!r}")
         return pair_as_float64(self.outside[..., 0:2]), pair_as_float64(self.outside[..., 2:4])
 
     def narrowed(self, k: int) -> TeacherPayload:
@@ -187,6 +196,6 @@ class TeacherPayload:
 
     def select(self, samples: torch.Tensor | list[int]) -> TeacherPayload:
         """The payload of a subset of samples (rows in the given order)."""
-        index = torch.as_tensor(samples, dtype=torch.int64, device=self.logprobs.device)
+        index = torch.as_tensor(samples, dtype=torch.int64, device=self.has_teacher.device)
         values = {name: getattr(self, name).index_select(0, index) for name, _ in self.spec._parts()}
-        return TeacherPayload(spec=self.spec, **values)
+        return TeacherPayload.of_parts(self.spec, values)

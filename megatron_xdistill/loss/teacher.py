@@ -128,19 +128,19 @@ class _Teacher:
         return {"logprobs": common, "uncommon_probs": top_v.exp()}
 
     def finish_image(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The chunk means on W's image, the float64 sums of P log P and of P over the other
-        columns (P = exp(mean); 0 log 0 = 0), and the first argmax over all of V_t."""
+        """P = exp(mean) on W's image, the float64 sums of P log P over all of V_t (0 log 0 =
+        0) and of P over the columns outside I, and the first argmax over all of V_t."""
         rows = mean.shape[0]
-        on_image = mean.new_zeros(rows, self.spec.width)
-        on_image[:, self.pair_local] = mean[:, self.col_common]
-        all_reduce(on_image, self.tp_group)
         shipped = mean.to(torch.float32)  # what a full payload would hold: the same sums
+        on_image = shipped.new_zeros(rows, self.spec.width)
+        on_image[:, self.pair_local] = shipped[:, self.col_common].exp()
+        all_reduce(on_image, self.tp_group)
         if exact_rows.supported(shipped):  # CPU: one Numba pass a row
-            sums, at = exact_rows.outside_sums(shipped, self.outside)
+            sums, at = exact_rows.image_sums(shipped, self.outside)
         else:
-            p = shipped.exp() * self.outside
+            p = shipped.exp()
             sums = torch.stack([torch.sum(p * shipped.clamp_min(-1e30), 1, dtype=torch.float64),
-                                torch.sum(p, 1, dtype=torch.float64)], dim=1)
+                                torch.sum(p * self.outside, 1, dtype=torch.float64)], dim=1)
             at = shipped.argmax(1) if self.num_real else torch.zeros(
                 rows, dtype=torch.int64, device=self.dev)  # the first maximum of this shard
         all_reduce(sums, self.tp_group)
@@ -151,7 +151,7 @@ class _Teacher:
         values = torch.cat(all_gather(best[:, None].contiguous(), self.tp_group), 1)
         ids = torch.cat(all_gather((at + self.vocab_start)[:, None].contiguous(), self.tp_group), 1)
         first = values.argmax(1, keepdim=True)  # shards in vocabulary order: the lowest id wins
-        return {"logprobs": on_image, "outside": float64_as_pair(sums).reshape(rows, 4),
+        return {"probs": on_image, "outside": float64_as_pair(sums).reshape(rows, 4),
                 "teacher_argmax": ids.gather(1, first)[:, 0]}
 
     def finish_full(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -286,14 +286,15 @@ def _finish_split(t: _Teacher, rows: ChunkRows, buf, finish, spec: PayloadSpec):
 _FIELDS = {"full": ("logprobs",), "topk": ("logprobs",),
            "chunk_topk": ("logprobs", "columns", "tail_logprob"),
            "gold": ("logprobs", "uncommon_probs"),
-           "image": ("logprobs", "outside", "teacher_argmax")}
+           "image": ("probs", "outside", "teacher_argmax")}
 
 
 def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_vals,
               split_vals, columns, batch: int) -> TeacherPayload:
     """Scatter every chunk's values (from its owning CP rank) and replicate them over CP."""
     slots = batch * spec.num_chunks
-    shapes = {"logprobs": (spec.width,), "columns": (spec.width,), "tail_logprob": (),
+    shapes = {"logprobs": (spec.width,), "probs": (spec.width,), "columns": (spec.width,),
+              "tail_logprob": (),
               "uncommon_probs": (spec.uncommon,), "outside": (4,), "teacher_argmax": ()}
     out: dict[str, torch.Tensor] = {}
     for name in _FIELDS[spec.form]:
@@ -309,4 +310,4 @@ def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_v
     if spec.form == "topk":
         out["columns"] = columns.expand(batch, -1).contiguous()
     has = (rows.key_count > 0).view(batch, spec.num_chunks).to(t.dev)
-    return TeacherPayload(spec=spec, has_teacher=has, **out)
+    return TeacherPayload.of_parts(spec, {"has_teacher": has, **out})

@@ -21,7 +21,9 @@ from megatron_xdistill.storage import write_json_atomic
 from .store import CacheError
 
 FORMAT = "xdistill-teacher-cache"
-VERSION = 1
+#: 2: image payloads ship the teacher's P on W's image and the sum of P log P over all of V_t
+#: (1: log P and that sum outside the image only); the other forms are as in 1
+VERSION = 2
 MANIFEST = "manifest.json"
 # Fields a reading run may differ in: it trains on the cache's own plan (any number of epochs).
 READER_FREE = ("data.num_samples",)
@@ -64,9 +66,12 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise CacheError(f"{path} is not a teacher cache manifest (format "
                              f"{data.get('format')!r}, expected {FORMAT!r})")
-        if data.get("version") != VERSION:
-            raise CacheError(f"{path}: teacher cache version {data.get('version')}, this "
-                             f"release reads version {VERSION}; refill the cache")
+        version = data.get("version")
+        form = (data.get("key") or {}).get("payload", {}).get("form")
+        if version != VERSION and not (version == 1 and form != "image"):
+            raise CacheError(f"{path}: teacher cache version {version}"
+                             f"{' of an image payload' if version == 1 else ''}, this release "
+                             f"reads version {VERSION}; refill the cache")
         try:
             return cls(data["key"], data["teacher_model"], int(data["num_samples"]),
                        int(data["payload_numel"]), bool(data["complete"]))
