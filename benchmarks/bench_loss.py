@@ -301,6 +301,20 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   vector-bound Numba passes do not scale (the image pass 5.97 -> 6.13 ms a block) while CE,
   bound by memory, halves its wall time: compare forms at one thread here.
 
+  Then (2026-11-29, 16,384 tokens, real W, one thread; in-process runs alternated 3x with the
+  commit before): the softmax's shift taken as it goes (``row_exp_``: the first 256 columns'
+  maximum, moved up only where a later piece's exps pass ~e^62; torch's row max had taken
+  1.45-1.49 of 4.5-5.0 ms a block), the CPU scratch buffers on transparent huge pages (W's
+  products read their rows at random, a 4 KiB page each: 1.37-1.46 -> 1.09-1.29 s for the two)
+  and the rows' sums prefetching the next position's tile (3.47-3.66 -> 3.17-3.34 ms a block):
+  the softmax part 0.96-0.99 -> 0.71-0.72 s, the call 5.78-6.06 -> 4.98-5.38 s (3aa5656;
+  bench: 5.37 / 5.52 s, 1.56-1.57x CE). The image payload holding P instead of log P (the
+  teacher has the exps already; the sum of P log P over all of V_t shipped with it): the
+  image pass 1.16-1.21 -> 0.90-0.94 s, the call 5.10-5.31 -> 4.85-5.15 s (0ec3cf1; bench,
+  three runs: 5.25 / 5.13 / 5.04 s against CE 3.48 / 3.60 / 3.72 s: 1.50x / 1.42x / 1.35x CE,
+  chunk_topk 2.87-2.99 s: 1.71-1.83x it). Tried and left: a Numba transposing copy of the
+  gradient on q (1.34 against torch's 1.69 ms a block in isolation; no gain in-process).
+
   (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's

@@ -17,7 +17,7 @@ Forms (``PayloadSpec.form``):
                 pairs) + ``uncommon_probs`` [B, C, L], the uncommon probs sorted descending.
 ``image``       the exact form's payload on W's image I only: ``probs`` [B, C, |I|], the teacher's
                 P = exp(chunk-mean log-probs) at the teacher ids of I (ascending; probabilities,
-                not logs: the student's pass over them then takes no exp) + ``outside``
+                not logs: the student's pass over them then takes no exp) + ``sums``
                 [B, C, 4], the float64 sum of P log P over all of V_t (0 log 0 = 0) and of P over
                 the columns outside I, each as a float32 (hi, lo) pair + ``teacher_argmax``
                 [B, C], the teacher's first argmax over all of V_t. Exact, like ``full``: a
@@ -80,7 +80,7 @@ class PayloadSpec:
         if self.form == "gold":
             parts.append(("uncommon_probs", (c, self.uncommon)))
         if self.form == "image":
-            parts += [("outside", (c, 4)), ("teacher_argmax", (c,))]
+            parts += [("sums", (c, 4)), ("teacher_argmax", (c,))]
         return parts
 
     @property
@@ -114,7 +114,7 @@ class TeacherPayload:
     columns: torch.Tensor | None = None
     tail_logprob: torch.Tensor | None = None
     uncommon_probs: torch.Tensor | None = None
-    outside: torch.Tensor | None = None
+    sums: torch.Tensor | None = None
     teacher_argmax: torch.Tensor | None = None
     probs: torch.Tensor | None = None
 
@@ -173,7 +173,7 @@ class TeacherPayload:
         outside W's image), float64 [B, C] each."""
         if self.spec.form != "image":
             raise ValueError(f"only image payloads carry the teacher's sums, not {self.spec.form!r}")
-        return pair_as_float64(self.outside[..., 0:2]), pair_as_float64(self.outside[..., 2:4])
+        return pair_as_float64(self.sums[..., 0:2]), pair_as_float64(self.sums[..., 2:4])
 
     def narrowed(self, k: int) -> TeacherPayload:
         """A chunk top-k payload cut to its ``k`` most probable columns per chunk: the columns

@@ -151,7 +151,7 @@ class _Teacher:
         values = torch.cat(all_gather(best[:, None].contiguous(), self.tp_group), 1)
         ids = torch.cat(all_gather((at + self.vocab_start)[:, None].contiguous(), self.tp_group), 1)
         first = values.argmax(1, keepdim=True)  # shards in vocabulary order: the lowest id wins
-        return {"probs": on_image, "outside": float64_as_pair(sums).reshape(rows, 4),
+        return {"probs": on_image, "sums": float64_as_pair(sums).reshape(rows, 4),
                 "teacher_argmax": ids.gather(1, first)[:, 0]}
 
     def finish_full(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -286,7 +286,7 @@ def _finish_split(t: _Teacher, rows: ChunkRows, buf, finish, spec: PayloadSpec):
 _FIELDS = {"full": ("logprobs",), "topk": ("logprobs",),
            "chunk_topk": ("logprobs", "columns", "tail_logprob"),
            "gold": ("logprobs", "uncommon_probs"),
-           "image": ("probs", "outside", "teacher_argmax")}
+           "image": ("probs", "sums", "teacher_argmax")}
 
 
 def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_vals,
@@ -295,7 +295,7 @@ def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_v
     slots = batch * spec.num_chunks
     shapes = {"logprobs": (spec.width,), "probs": (spec.width,), "columns": (spec.width,),
               "tail_logprob": (),
-              "uncommon_probs": (spec.uncommon,), "outside": (4,), "teacher_argmax": ()}
+              "uncommon_probs": (spec.uncommon,), "sums": (4,), "teacher_argmax": ()}
     out: dict[str, torch.Tensor] = {}
     for name in _FIELDS[spec.form]:
         dtype = torch.int64 if name in ("columns", "teacher_argmax") else torch.float32
