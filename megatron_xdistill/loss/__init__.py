@@ -16,10 +16,11 @@ pieces, decoupled by a payload:
 pass ``logits.transpose(0, 1)`` if you hold Megatron's [s, b, v] — that costs a copy). ``form``:
 "full" (exact P-KL, K = V_t), "image" (the same exact P-KL from the teacher's probabilities on
 the columns of W's image only, ``image = teacher_image(indices, weights, V_s)``, with its sums of
-P log P over V_t and of P over the other columns: |I| / V_t of the full payload), "topk" (NeMo-RL ``vocab_topk``: the microbatch's k columns with the
-largest teacher logit, softmax within K), "chunk_topk" (compressed: each chunk's top-k teacher
-tokens + one tail bucket) or "gold" (gold/H-KL: teacher chunk log-probs on the M common teacher ids
-``ct`` + the sorted uncommon probabilities). The result is identical on every teacher TP/CP rank of
+P log P over V_t and of P over the other columns: |I| / V_t of the full payload), "topk"
+(NeMo-RL ``vocab_topk``: the microbatch's k columns with the largest teacher logit, softmax
+within K), "chunk_topk" (compressed: each chunk's top-k teacher tokens + one tail bucket) or
+"gold" (gold/H-KL: teacher chunk log-probs on the M common teacher ids ``ct`` + the sorted
+uncommon probabilities). The result is identical on every teacher TP/CP rank of
 the replica and independent of the teacher layout.
 
 **2. Transport**: ``payload.to_flat()`` gives one float32 row per sample ([B, spec.numel],

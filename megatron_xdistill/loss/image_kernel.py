@@ -3,11 +3,11 @@
 A column outside I gets projected mass 0 whatever the student does, so its share of the KL is
 the teacher's alone; the image form's teacher computes it once per chunk (the float64 sums of
 P log P over all of V_t and of P over the columns outside I, and its argmax over all of V_t)
-and ships P on the columns of I with them (``payload.py``). The student then reads |I| columns a row, not V_t (the demo's
-SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of ``bench_loss.py``: 87,607), and
-the payload shrinks as much. Everything else is :class:`~.kernels.DenseKernel`'s: the same
-projection onto I, the same formulas; on CPU one contiguous pass over each row
-(:mod:`.image_rows`: no pieces of V_t, no gather, no exp). Reverse KL and the JSD read log P
+and ships P on the columns of I with them (``payload.py``). The student then reads |I| columns
+a row, not V_t (the demo's SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of
+``bench_loss.py``: 87,607), and the payload shrinks as much. Everything else is
+:class:`~.kernels.DenseKernel`'s: the same projection onto I, the same formulas; on CPU one
+contiguous pass over each row (:mod:`.image_rows`: no pieces of V_t, no gather, no exp). Reverse KL and the JSD read log P
 on I as the log of the shipped P floored at TINY (a teacher probability under 1.2e-38 counts
 as 1.2e-38 there; the forward KL reads P itself).
 """

@@ -172,7 +172,8 @@ class TeacherPayload:
         """Image form: (sum of P log P over all of V_t, sum of P over the teacher columns
         outside W's image), float64 [B, C] each."""
         if self.spec.form != "image":
-            raise ValueError(f"only image payloads carry the teacher's sums, not {self.spec.form!r}")
+            raise ValueError("only image payloads carry the teacher's sums, not "
+                             f"{self.spec.form!r}")
         return pair_as_float64(self.sums[..., 0:2]), pair_as_float64(self.sums[..., 2:4])
 
     def narrowed(self, k: int) -> TeacherPayload:
