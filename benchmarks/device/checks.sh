@@ -9,6 +9,8 @@
 #                          on the GPU vs the CPU run, KV-cached greedy generation vs HF)
 #   bench_loss      200 s  the loss forms vs Megatron's CE at 16k tokens, V_s 49,152 and 128,256
 #   bench_loss_blocks 150 s  the exact and gold forms: a kernel profile, and three block sizes
+#   bench_loss_image 200 s  the image form (training's exact payload) and chunk top-k vs CE at
+#                          16k tokens, V_s 49,152 (bench_loss.py's synthetic W)
 #   bench_sorted_top 90 s  gold's sorted top-8192 of ~24k columns: topk vs a full sort
 #   bench_step      200 s  step time, colocated, bf16, random weights, chunk top-64
 #   bench_onpolicy  200 s  on-policy generation speed and its share of a step
@@ -19,8 +21,8 @@
 # takes 60-90 s, so 15 device minutes hold about two calls. 2026-11-27 (H200): gpu_tests took
 # 230 s, bench_step 134 s, bench_loss and bench_loss_blocks ran into their limits (150 s).
 # Plan: `gpu_tests bench_loss_blocks bench_sorted_top` (~450 s), then `bench_loss bench_step`
-# (~350 s);
-# bench_onpolicy in a later session.
+# (~350 s); bench_loss_image and bench_onpolicy in a later session (the image form's GPU rows
+# are still owed to issue 18: `gpu_tests bench_loss_image` first when a device is lent).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/device-out}; mkdir -p "$OUT"
@@ -55,6 +57,8 @@ for name in "$@"; do
     bench_loss) part bench_loss 200 python3 benchmarks/bench_loss.py --device cuda \
                   --tokens 16384 --forms topk chunk_topk gold full --repeat 3 ;;
     bench_loss_blocks) part bench_loss_blocks 150 bash -c "$(declare -f blocks); blocks" ;;
+    bench_loss_image) part bench_loss_image 200 python3 benchmarks/bench_loss.py --device cuda \
+                        --tokens 16384 --vs 49152 --forms chunk_topk image --repeat 3 ;;
     bench_sorted_top) part bench_sorted_top 90 python3 benchmarks/bench_sorted_top.py \
                         --device cuda --rows 1024 4096 16384 ;;
     bench_step) part bench_step 200 python3 benchmarks/bench_step_time.py --device cuda \
