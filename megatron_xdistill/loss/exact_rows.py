@@ -272,15 +272,16 @@ def _grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return (weight.to(inv.dtype).expand(inv.shape[0]) * inv).contiguous()
 
 
-def _floored_rows(g, u, sums, inv, scale, logprobs, keys, image, probs: bool = False) -> None:
+def _floored_rows(g, u, sums, inv, scale, payload_rows, keys, image, probs: bool = False
+                  ) -> None:
     """Rows whose sum u falls under TINY: the floor holds the total, so the normalisation
     contributes nothing there (as autograd's ``clamp_min``): -scale P / (q + EPS) alone.
     ``image``: the payload columns of u's columns, None where they are the same; ``probs``:
-    the payload rows hold P, not log P."""
+    ``payload_rows`` hold P (else log P)."""
     floored = sums < TINY
     if bool(floored.any()):
         q = u[floored] * inv[floored, None]
-        p = logprobs.index_select(0, keys[floored])
+        p = payload_rows.index_select(0, keys[floored])
         p = (p if image is None else p[:, image]).to(u.dtype)
         p = p if probs else p.exp()
         g[floored] = -scale[floored, None] * p / (q + EPS)

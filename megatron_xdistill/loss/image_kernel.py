@@ -7,9 +7,9 @@ and ships P on the columns of I with them (``payload.py``). The student then rea
 a row, not V_t (the demo's SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of
 ``bench_loss.py``: 87,607), and the payload shrinks as much. Everything else is
 :class:`~.kernels.DenseKernel`'s: the same projection onto I, the same formulas; on CPU one
-contiguous pass over each row (:mod:`.image_rows`: no pieces of V_t, no gather, no exp). Reverse KL and the JSD read log P
-on I as the log of the shipped P floored at TINY (a teacher probability under 1.2e-38 counts
-as 1.2e-38 there; the forward KL reads P itself).
+contiguous pass over each row (:mod:`.image_rows`: no pieces of V_t, no gather, no exp).
+Reverse KL and the JSD read log P on I as the log of the shipped P floored at TINY (a teacher
+probability under 1.2e-38 counts as 1.2e-38 there; the forward KL reads P itself).
 """
 
 from __future__ import annotations

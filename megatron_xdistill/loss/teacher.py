@@ -283,30 +283,23 @@ def _finish_split(t: _Teacher, rows: ChunkRows, buf, finish, spec: PayloadSpec):
     return {"logprobs": mean} if finish is None else finish(mean)
 
 
-_FIELDS = {"full": ("logprobs",), "topk": ("logprobs",),
-           "chunk_topk": ("logprobs", "columns", "tail_logprob"),
-           "gold": ("logprobs", "uncommon_probs"),
-           "image": ("probs", "sums", "teacher_argmax")}
-
-
 def _assemble(t: _Teacher, rows: ChunkRows, spec: PayloadSpec, done_rows, done_vals,
               split_vals, columns, batch: int) -> TeacherPayload:
     """Scatter every chunk's values (from its owning CP rank) and replicate them over CP."""
     slots = batch * spec.num_chunks
-    shapes = {"logprobs": (spec.width,), "probs": (spec.width,), "columns": (spec.width,),
-              "tail_logprob": (),
-              "uncommon_probs": (spec.uncommon,), "sums": (4,), "teacher_argmax": ()}
     out: dict[str, torch.Tensor] = {}
-    for name in _FIELDS[spec.form]:
+    for name, shape in spec._parts():  # the payload's own parts, [num_chunks, ...] a sample
+        if name == "has_teacher" or (spec.form == "topk" and name == "columns"):
+            continue  # made below: from the keys; the microbatch's columns, one row a sample
         dtype = torch.int64 if name in ("columns", "teacher_argmax") else torch.float32
-        buf = torch.zeros(slots, *shapes[name], dtype=dtype, device=t.dev)
+        buf = torch.zeros(slots, *shape[1:], dtype=dtype, device=t.dev)
         for r, vals in zip(done_rows, done_vals):
             buf[rows.keys[r].to(t.dev)] = vals[name].to(dtype)
         if split_vals is not None:
             mine = rows.split_owner == group_rank(t.cp_group)
             buf[rows.split_keys[mine].to(t.dev)] = split_vals[name][mine.to(t.dev)].to(dtype)
         all_reduce(buf, t.cp_group)
-        out[name] = buf.view(batch, spec.num_chunks, *shapes[name])
+        out[name] = buf.view(batch, *shape)
     if spec.form == "topk":
         out["columns"] = columns.expand(batch, -1).contiguous()
     has = (rows.key_count > 0).view(batch, spec.num_chunks).to(t.dev)
