@@ -680,7 +680,8 @@ def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace
     import torch
 
     from megatron_xdistill.loss.block_size import block_positions
-    from megatron_xdistill.loss.kernels import DenseKernel, GoldKernel
+    from megatron_xdistill.loss.gold_kernel import GoldKernel
+    from megatron_xdistill.loss.kernels import DenseKernel
 
     kernel = {"KD full": DenseKernel, "KD image": DenseKernel, "KD gold": GoldKernel}.get(name)
     if kernel is None:

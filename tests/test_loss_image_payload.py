@@ -99,8 +99,8 @@ def _loss_and_grad(case, payload, with_ce, weighted, temperature=1.0, **kw):
 @pytest.mark.parametrize("path", ["cpu-passes", "torch"])
 def test_image_form_matches_the_dense_reference(monkeypatch, with_ce, weighted, path):
     """fp32: loss rel 1e-5 and gradient 1e-5 of its largest entry against float64."""
-    if path == "torch":  # the path a GPU takes (the forward KL's const with I's entropy term)
-        monkeypatch.setattr(exact_rows, "supported", lambda t: False)
+    if path == "torch":  # the path a GPU takes: no Numba pass, projection or unnormalised rows
+        _without_numba(monkeypatch)
     case = _case()
     loss, grad = _loss_and_grad(case, _payload(case, "image", 2.0), with_ce, weighted, 2.0)
     ref, ref_grad = case.reference_loss("pkl", 2.0, with_ce)
@@ -139,12 +139,25 @@ def test_the_image_form_needs_its_ids():
                         vocab_size=case.vt, image_teacher_ids=torch.tensor([1, 9, 4, 12, 20]))
 
 
+def _without_numba(monkeypatch) -> None:
+    """The image form as a GPU runs it, on CPU tensors: torch operations for the rows' KL and
+    gradient, the projection and the block's softmax."""
+    from megatron_xdistill.loss import student_plan
+    from megatron_xdistill.loss.image_projection import ImageProjection
+
+    monkeypatch.setattr(image_rows, "numba_takes", lambda t: False)
+    monkeypatch.setattr(ImageProjection, "_numba", staticmethod(lambda t: False))
+    monkeypatch.setattr(student_plan, "numba_takes", lambda t: False)
+
+
+@pytest.mark.parametrize("path", ["cpu-passes", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_image_rows_pass_equals_the_full_rows_pass(dtype):
+def test_the_image_rows_pass_equals_the_full_rows_pass(monkeypatch, dtype, path):
     """The pass over P on I's columns alone, plus the teacher's sums (entropy over all
     columns, -log EPS x the mass outside I), against exact_rows' pass over full log-prob rows
     (checked against autograd in test_loss_kernels): KL, u's argmax and the gradient; in
-    float64 also a row with no projected mass (the floor holds its sum)."""
+    float64 also rows with no and with almost no projected mass (the floor holds their sum).
+    Numba's pass and the torch operations a GPU takes."""
     gen = torch.Generator().manual_seed(3)
     n, vt = 9, 5000
     lp = torch.log_softmax(3 * torch.randn(n, vt, generator=gen, dtype=dtype), -1)
@@ -155,11 +168,14 @@ def test_the_image_rows_pass_equals_the_full_rows_pass(dtype):
     u = torch.rand(keys.numel(), image.numel(), generator=gen, dtype=dtype)
     if dtype == torch.float64:
         u[3] = 0.0
+        u[5] = 1e-35  # a sum under TINY but not 0: q = u / TINY, the normalisation's term 0
     outside = torch.ones(vt, dtype=dtype)
     outside[image] = 0.0
     weight = torch.tensor([0.5, 2.0, 1.0, 1.5, 3.0, 1.0], dtype=dtype)
     kl, at, _, g = exact_rows.image_kl(u, lp, keys, image, outside, weight)
     probs = lp[:, image].exp()
+    if path == "torch":
+        monkeypatch.setattr(image_rows, "numba_takes", lambda t: False)
     on, at_on, g_on = image_rows.image_kl_on_image(u, probs, keys, weight)
     every = lp.double()
     p = every.exp()

@@ -304,7 +304,7 @@ def _gold_kernel(vs: int, common: int, n: int, rows: int, seed: int):
     """A GoldKernel (one TP rank, forward KL) on ``vs`` student columns, ``common`` of them
     paired, a payload of ``rows`` chunks keeping ``n`` uncommon probabilities, and a block's
     raw sums (summed logits of 1-3 positions, their log-partitions, counts)."""
-    from megatron_xdistill.loss.kernels import GoldKernel
+    from megatron_xdistill.loss.gold_kernel import GoldKernel
     from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
 
     gen = torch.Generator().manual_seed(seed)
@@ -582,8 +582,9 @@ def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_it
     logits, never smaller than the CPU rule; CPU and the column forms keep 64 MiB / 16 MiB
     blocks and their share of the positions."""
     from megatron_xdistill.loss.block_size import BLOCK_MEMORY_SHARE, block_positions
+    from megatron_xdistill.loss.gold_kernel import GoldKernel
     from megatron_xdistill.loss.kernel_choice import NoKernel
-    from megatron_xdistill.loss.kernels import ColumnsKernel, DenseKernel, GoldKernel
+    from megatron_xdistill.loss.kernels import ColumnsKernel, DenseKernel
 
     n, v = 16384, 49152
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

@@ -252,7 +252,7 @@ def test_payload_rows_of_several_samples_are_gathered_not_copied_whole():
     """Routed payloads of several samples are a strided view into the flat rows; the loss
     gathers chunk rows from it without materialising the whole part (and gets the same rows
     as from a contiguous copy)."""
-    from megatron_xdistill.loss.kernels import _rows_of
+    from megatron_xdistill.loss.block_data import rows_of
     from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
 
     spec = PayloadSpec("full", 5, 7)
@@ -260,7 +260,7 @@ def test_payload_rows_of_several_samples_are_gathered_not_copied_whole():
     part = TeacherPayload.from_flat(flat, spec).logprobs  # [3, 5, 7], a view into ``flat``
     assert not part.is_contiguous() and part.data_ptr() == flat.data_ptr()
     keys = torch.tensor([0, 4, 7, 14, 9])
-    torch.testing.assert_close(_rows_of(part, keys),
+    torch.testing.assert_close(rows_of(part, keys),
                                part.contiguous().reshape(-1, 7).index_select(0, keys))
 
 

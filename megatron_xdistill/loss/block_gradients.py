@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import cpu_rows
+from .block_data import BlockData, Raw
 from .collectives import all_gather
 from .fused_grad import FusedGradWriter
-from .kernels import BlockData, Raw
 
 
 def take_rows(raw: dict[str, torch.Tensor], index: torch.Tensor) -> dict[str, torch.Tensor]:

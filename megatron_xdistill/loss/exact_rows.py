@@ -37,10 +37,18 @@ import math
 import torch
 from numba import njit, prange
 
-from .common import EPS, TINY
+from .common import EPS
 from .cpu_rows import FASTMATH, fast_exp, fast_log, first_argmax, row_max
 from .formulas import teacher_only_terms
 from .numba_cpu import numba_takes, use_torch_threads
+from .projected_rows import (
+    SUM_RUN,
+    floored_rows_grad,
+    grad_scale,
+    normaliser,
+    numba_scalar,
+    rows_in_place,
+)
 from .workspace import scratch
 
 #: Whether these CPU maps take a tensor (the projection's Numba kernels take the same).
@@ -52,11 +60,6 @@ supported = numba_takes
 #: and then the exps read it twice: 0.80 + 1.3 ns an element, 2.05 together, 1.76-1.87 in
 #: pieces, at 2,000 x 151,936)
 _PIECE = 2048
-#: Elements summed in the payload's dtype before a sum joins its float64 total: each lane of the
-#: vectorised loop adds a few terms, so the float32 partial is as exact as float64 sums of
-#: the float32 terms, and the loop takes no float64 conversions (a piece's three sums: 2.95 ->
-#: 1.99 ns a payload element, in isolation at 22 rows x 151,936; whole pieces: 1.98)
-_SUM = 256
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
@@ -64,7 +67,7 @@ def _row_sums(lp, keys, entropy, outside, with_sums, sums, argmax, zero, floor
               ):  # pragma: no cover - numba
     """For each payload row ``keys[j]`` of ``lp``: the first argmax, and (``with_sums``)
     sums[key] = (sum of p log p weighted by ``entropy``, sum of p weighted by ``outside``),
-    p = exp(lp) in the pass (0 log 0 = 0), fp64 totals of :data:`_SUM`-element partials. One
+    p = exp(lp) in the pass (0 log 0 = 0), fp64 totals of :data:`SUM_RUN`-element partials. One
     pass over the row, a piece at a time (:data:`_PIECE`). ``zero``, ``floor``: 0 and -1e30
     in the payload's dtype."""
     n = lp.shape[1]
@@ -82,8 +85,8 @@ def _row_sums(lp, keys, entropy, outside, with_sums, sums, argmax, zero, floor
                 best, at = top, lo
             if not with_sums:
                 continue
-            for s0 in range(0, piece.shape[0], _SUM):
-                pc, ec, oc = piece[s0: s0 + _SUM], ent[s0: s0 + _SUM], off[s0: s0 + _SUM]
+            for s0 in range(0, piece.shape[0], SUM_RUN):
+                pc, ec, oc = piece[s0: s0 + SUM_RUN], ent[s0: s0 + SUM_RUN], off[s0: s0 + SUM_RUN]
                 a, b = zero, zero
                 for t in range(pc.shape[0]):
                     e = fast_exp(pc[t])
@@ -108,12 +111,13 @@ def _sums_of_rows(logprobs: torch.Tensor, keys: torch.Tensor, entropy: torch.Ten
     argmax = torch.zeros(n, dtype=torch.int64)
     if width == 0:
         return sums, argmax
-    lp = _rows_in_place(logprobs)
+    lp = rows_in_place(logprobs)
     weights = [w.to(logprobs.dtype).contiguous().numpy() for w in (entropy, outside)]
+    zero, floor = numba_scalar(0.0, logprobs), numba_scalar(-1e30, logprobs)
     use_torch_threads()
     for lo in range(0, keys.numel(), rows_per_step):
         _row_sums(lp, keys[lo: lo + rows_per_step].contiguous().numpy(), *weights, with_sums,
-                  sums.numpy(), argmax.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
+                  sums.numpy(), argmax.numpy(), zero, floor)
     return sums, argmax
 
 
@@ -153,7 +157,7 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
     c = sum_t P q / (q + eps) (:func:`image_kl_grad`'s), in the cross sum's loop (two loops
     over the I-range, the cross sum then the gradient: 2.04-2.19 against 1.91 ns a payload
     element, 22 rows, one thread). ``work`` [rows, 2, _PIECE];
-    ``zero``, ``floor``: 0 and -1e30 in the payload's dtype (sums of :data:`_SUM`-element
+    ``zero``, ``floor``: 0 and -1e30 in the payload's dtype (sums of :data:`SUM_RUN`-element
     partials in it)."""
     n_t = lp.shape[1]
     for r in prange(u.shape[0]):
@@ -173,8 +177,8 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
             top = row_max(piece)
             if top > best_t:
                 best_t, at_t = top, lo
-            for s0 in range(0, piece.shape[0], _SUM):
-                pc, oc, xc = piece[s0: s0 + _SUM], off[s0: s0 + _SUM], ex[s0: s0 + _SUM]
+            for s0 in range(0, piece.shape[0], SUM_RUN):
+                pc, oc, xc = piece[s0: s0 + SUM_RUN], off[s0: s0 + SUM_RUN], ex[s0: s0 + SUM_RUN]
                 a, b = zero, zero
                 for t in range(pc.shape[0]):
                     e = fast_exp(pc[t])
@@ -193,8 +197,8 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
                 pp[k] = ex[cols[k] - lo]    # the loop, the loop does not vectorise
             if grad:  # the cross sum and the gradient in one loop over the piece's I-range
                 gr = g[r, i0:i1]
-                for s0 in range(0, uu.shape[0], _SUM):
-                    us, ps, gs = uu[s0: s0 + _SUM], pp[s0: s0 + _SUM], gr[s0: s0 + _SUM]
+                for s0 in range(0, uu.shape[0], SUM_RUN):
+                    us, ps, gs = uu[s0: s0 + SUM_RUN], pp[s0: s0 + SUM_RUN], gr[s0: s0 + SUM_RUN]
                     x = zero * inv
                     y = zero * inv
                     for k in range(us.shape[0]):
@@ -207,8 +211,8 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
                     cross += x
                     c += y
             else:
-                for s0 in range(0, uu.shape[0], _SUM):
-                    us, ps = uu[s0: s0 + _SUM], pp[s0: s0 + _SUM]
+                for s0 in range(0, uu.shape[0], SUM_RUN):
+                    us, ps = uu[s0: s0 + SUM_RUN], pp[s0: s0 + SUM_RUN]
                     x = zero * inv
                     for k in range(us.shape[0]):
                         x += ps[k] * fast_log(us[k] * inv + eps)
@@ -220,12 +224,6 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
             gr, sr = g[r], scale[r]
             for k in range(gr.shape[0]):
                 gr[k] = sr * (c - gr[k])
-
-
-def _scalar(value: float, like: torch.Tensor):
-    """``value`` as a NumPy scalar of ``like``'s dtype (Numba then keeps float32 arithmetic
-    float32: a Python float would make every product float64)."""
-    return like.numpy().dtype.type(value)
 
 
 def image_kl(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor, image: torch.Tensor,
@@ -245,52 +243,19 @@ def image_kl(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor, image:
     if rows == 0 or width == 0:
         return kl.to(u.dtype), at, teacher_at, torch.zeros_like(u) if grad else None
     u = u.detach().contiguous()
-    sums, inv = _normaliser(u)
+    sums, inv = normaliser(u)
     cut = torch.searchsorted(image, torch.arange(-(-width // _PIECE) + 1) * _PIECE)
     work = scratch("image_kl", rows * 2 * _PIECE, u.device, u.dtype).view(rows, 2, _PIECE)
     g = torch.empty_like(u) if grad else u.new_empty(rows, 0)
-    scale = _grad_scale(weight, inv) if grad else inv
+    scale = grad_scale(weight, inv) if grad else inv
     use_torch_threads()
-    _kl_rows(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
-             cut.numpy(), outside.numpy(), inv.numpy(), _scalar(EPS, u), math.log(EPS),
+    _kl_rows(u.numpy(), rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
+             cut.numpy(), outside.numpy(), inv.numpy(), numba_scalar(EPS, u), math.log(EPS),
              kl.numpy(), at.numpy(), teacher_at.numpy(), work.numpy(), grad, scale.numpy(),
-             g.numpy(), _scalar(0.0, logprobs), _scalar(-1e30, logprobs))
+             g.numpy(), numba_scalar(0.0, logprobs), numba_scalar(-1e30, logprobs))
     if grad:
-        _floored_rows(g, u, sums, inv, scale, logprobs, keys, image)
+        floored_rows_grad(g, u, sums, inv, scale, logprobs, keys, image)
     return kl.to(u.dtype), at, teacher_at, g if grad else None
-
-
-def _normaliser(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum u, 1 / sum u floored at TINY) per row."""
-    sums = u.sum(-1)
-    return sums, 1.0 / sums.clamp_min(TINY)
-
-
-def _grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Per row weight / total: q = u / total, dq_t/du_k = (delta_tk - q_t [sum above TINY])
-    / total."""
-    return (weight.to(inv.dtype).expand(inv.shape[0]) * inv).contiguous()
-
-
-def _floored_rows(g, u, sums, inv, scale, payload_rows, keys, image, probs: bool = False
-                  ) -> None:
-    """Rows whose sum u falls under TINY: the floor holds the total, so the normalisation
-    contributes nothing there (as autograd's ``clamp_min``): -scale P / (q + EPS) alone.
-    ``image``: the payload columns of u's columns, None where they are the same; ``probs``:
-    ``payload_rows`` hold P (else log P)."""
-    floored = sums < TINY
-    if bool(floored.any()):
-        q = u[floored] * inv[floored, None]
-        p = payload_rows.index_select(0, keys[floored])
-        p = (p if image is None else p[:, image]).to(u.dtype)
-        p = p if probs else p.exp()
-        g[floored] = -scale[floored, None] * p / (q + EPS)
-
-
-def _rows_in_place(logprobs: torch.Tensor):
-    """The payload rows as a NumPy array the kernels index by key (a copy only if its rows
-    are not of unit stride)."""
-    return (logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()).numpy()
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
@@ -324,12 +289,12 @@ def image_kl_grad(u: torch.Tensor, logprobs: torch.Tensor, keys: torch.Tensor,
     if rows == 0 or image.numel() == 0:
         return g.zero_()
     u = u.detach().contiguous()
-    sums, inv = _normaliser(u)
-    scale = _grad_scale(weight, inv)
+    sums, inv = normaliser(u)
+    scale = grad_scale(weight, inv)
     use_torch_threads()
-    _kl_grad(u.numpy(), _rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
-             inv.numpy(), scale.numpy(), _scalar(EPS, u), g.numpy())
-    _floored_rows(g, u, sums, inv, scale, logprobs, keys, image)
+    _kl_grad(u.numpy(), rows_in_place(logprobs), keys.contiguous().numpy(), image.numpy(),
+             inv.numpy(), scale.numpy(), numba_scalar(EPS, u), g.numpy())
+    floored_rows_grad(g, u, sums, inv, scale, logprobs, keys, image)
     return g
 
 

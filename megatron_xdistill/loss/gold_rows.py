@@ -1,7 +1,7 @@
 """Gold / H-KL's per-chunk-row work on CPU (float32 / float64, one TP rank, forward KL): few
 passes over a row instead of torch's many.
 
-Two maps of :class:`~.kernels.GoldKernel`:
+Two maps of :class:`~.gold_kernel.GoldKernel`:
 
 * ``forward_rows``: a block's chunk rows of summed logits ``x`` [R, V] and log-partitions ->
   the uncommon chunk means ``a_u = (x[:, U] - lz) / count`` [R, |U|] (for the sort), the forward

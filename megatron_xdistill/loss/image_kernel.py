@@ -7,7 +7,8 @@ and ships P on the columns of I with them (``payload.py``). The student then rea
 a row, not V_t (the demo's SmolLM2 -> Qwen2.5 W: 40,132 of 151,936; the synthetic W of
 ``bench_loss.py``: 87,607), and the payload shrinks as much. Everything else is
 :class:`~.kernels.DenseKernel`'s: the same projection onto I, the same formulas; on CPU one
-contiguous pass over each row (:mod:`.image_rows`: no pieces of V_t, no gather, no exp).
+contiguous pass over each row (:mod:`.image_rows`: no pieces of V_t, no gather, no exp), on
+a GPU a few torch operations that make the KL and its gradient together (no autograd).
 Reverse KL and the JSD read log P on I as the log of the shipped P floored at TINY (a teacher
 probability under 1.2e-38 counts as 1.2e-38 there; the forward KL reads P itself).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import exact_rows, image_rows
+from . import image_rows
 from .collectives import Group
 from .common import TINY
 from .formulas import teacher_only_terms
@@ -82,7 +83,9 @@ class ImageKernel(DenseKernel):
         return image_rows.image_kl_on_image(u, self.probs, keys, weight)[2].clone()
 
     def _direct(self, u: torch.Tensor) -> bool:
-        return self.beta == 0.0 and exact_rows.supported(u) and exact_rows.supported(self.probs)
+        """The forward KL takes :func:`.image_rows.image_kl_on_image` on every device (its
+        KL and gradient written directly); the other divergences autograd."""
+        return self.beta == 0.0
 
 
 __all__ = ["ImageKernel"]

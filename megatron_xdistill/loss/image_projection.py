@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from .block_data import with_zero_row
 from .collectives import Group, all_reduce
 from .cpu_rows import prefetch
 from .numba_cpu import numba_takes, use_torch_threads
@@ -164,10 +165,6 @@ def _row_runs(seg: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Ten
     off = torch.zeros(num_rows + 1, dtype=torch.int64, device=seg.device)
     off[1:] = torch.cumsum(counts, 0)
     return order.index_select(0, perm), off
-
-
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(1, *t.shape[1:])], dim=0)
 
 
 @dataclass
@@ -311,7 +308,7 @@ class ImageProjection:
             h_rows = torch.sparse.mm(self._matrix(out.dtype, False), grad_q.t()).t()
         else:
             h_rows = out.new_zeros(num_rows, out.shape[1])
-        h = _with_zero_row(h_rows)[torch.where(seg >= 0, seg, num_rows)]
+        h = with_zero_row(h_rows)[torch.where(seg >= 0, seg, num_rows)]
         dot = (out * h).sum(1) * factor
         all_reduce(dot, tp_group)
         h.sub_((dot - coef / inv_t)[:, None]).mul_((factor * inv_t)[:, None])

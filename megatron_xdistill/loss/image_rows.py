@@ -1,4 +1,4 @@
-"""The image form's per-row work on CPU: the forward KL on I from payload rows that hold I only.
+"""The image form's per-row work: the forward KL on I from payload rows that hold I only.
 
 An ``image`` payload row holds the teacher's P on I, aligned with the projected mass u [rows,
 |I|] column for column, so its pass reads both contiguously, one row at a time: no pieces of
@@ -11,7 +11,10 @@ at 60 rows and |I| 87,607). Writing it transposed, as W's backward product reads
 faster in all (20.0-20.5 against 20.5-21.4 ms at 60 rows, one thread, payload rows from
 memory): a tile reads 2 x rows short runs where the row pass reads two streams; 16 rows at a
 time in tiles of 4,096 columns: 7.3-7.5 against 7.7 ms with the copy at |I| 40,132, and no
-gain in-process (``benchmarks/bench_loss.py``).
+gain in-process (``benchmarks/bench_loss.py``). That pass is Numba's, for CPU tensors; on a
+GPU the same map takes a few torch operations over the block's [rows, |I|] (the KL and its
+gradient together, no autograd: the blockwise path had taken the KL once for the sums and
+again under autograd for the gradient).
 """
 
 from __future__ import annotations
@@ -19,10 +22,17 @@ from __future__ import annotations
 import torch
 from numba import njit, prange
 
-from .common import EPS
+from .common import EPS, TINY
 from .cpu_rows import FASTMATH, fast_log, first_argmax
-from .exact_rows import _SUM, _floored_rows, _grad_scale, _normaliser, _rows_in_place, _scalar
-from .numba_cpu import use_torch_threads
+from .numba_cpu import numba_takes, use_torch_threads
+from .projected_rows import (
+    SUM_RUN,
+    floored_rows_grad,
+    grad_scale,
+    normaliser,
+    numba_scalar,
+    rows_in_place,
+)
 from .workspace import scratch
 
 
@@ -30,7 +40,7 @@ from .workspace import scratch
 def _cross_rows_on_image(u, pp, keys, inv_total, eps, cross, at, grad, scale, g, zero
                          ):  # pragma: no cover - numba
     """Per row r, against payload row ``pp[keys[r]]`` (P on I, aligned with u[r]): cross[r]
-    = sum_I P log(q + eps), q = u[r] inv_total[r] (fp64 over :data:`_SUM`-element partials),
+    = sum_I P log(q + eps), q = u[r] inv_total[r] (fp64 over :data:`SUM_RUN`-element partials),
     the first argmax of u[r], and with ``grad`` g[r] = scale[r] (c - P / (q + eps)), c = sum_I
     P q / (q + eps). One contiguous pass over the row: no pieces, no gather."""
     for r in prange(u.shape[0]):
@@ -38,11 +48,11 @@ def _cross_rows_on_image(u, pp, keys, inv_total, eps, cross, at, grad, scale, g,
         x_total = 0.0
         c = 0.0
         gr = g[r] if grad else g[0]
-        for s0 in range(0, ur.shape[0], _SUM):
-            us, ps = ur[s0: s0 + _SUM], row[s0: s0 + _SUM]
+        for s0 in range(0, ur.shape[0], SUM_RUN):
+            us, ps = ur[s0: s0 + SUM_RUN], row[s0: s0 + SUM_RUN]
             x = zero * inv
             if grad:
-                gs = gr[s0: s0 + _SUM]
+                gs = gr[s0: s0 + SUM_RUN]
                 y = zero * inv
                 for k in range(us.shape[0]):
                     q = us[k] * inv
@@ -70,30 +80,54 @@ def image_kl_on_image(u: torch.Tensor, probs: torch.Tensor, keys: torch.Tensor,
     """(-sum_I P log(q + EPS) per row, float64: the forward KL's part on I that the student
     moves; column of I where u is largest; gradient on u or None) of the rows ``keys`` of an
     ``image`` payload (``probs`` [n, |I|], P on I's columns only): the KL is this plus the
-    teacher's sums (entropy over V_t, -log EPS x the mass outside I). The gradient is a view
-    of a reused buffer, valid until the next call. (With log P rows, an exp an element more:
-    0.46 against 1.3 ns a V_t element of a full row at |I| = 26% of V_t, 22 rows, one thread;
-    P rows: module docstring.)"""
+    teacher's sums (entropy over V_t, -log EPS x the mass outside I). Not differentiable: with
+    ``weight`` (a scalar or one per row) the gradient of sum_r weight_r KL_r, written directly.
+    On CPU the gradient is a view of a reused buffer, valid until the next call. (With log P
+    rows, an exp an element more: 0.46 against 1.3 ns a V_t element of a full row at |I| = 26%
+    of V_t, 22 rows, one thread; P rows: module docstring.)"""
     rows, width = u.shape
-    cross = torch.zeros(rows, dtype=torch.float64)
-    at = torch.zeros(rows, dtype=torch.int64)
+    cross = torch.zeros(rows, dtype=torch.float64, device=u.device)
+    at = torch.zeros(rows, dtype=torch.int64, device=u.device)
     grad = weight is not None
     if rows == 0 or width == 0:
         return cross, at, torch.zeros_like(u) if grad else None
     if probs.shape[1] != width:
         raise ValueError(f"image payload rows have {probs.shape[1]} columns, u {width}")
     u = u.detach().contiguous()
-    sums, inv = _normaliser(u)
+    if not (numba_takes(u) and numba_takes(probs)):
+        return _on_image_by_torch(u, probs, keys, weight)
+    sums, inv = normaliser(u)
     g = (scratch("image_grad", rows * width, u.device, u.dtype).view(rows, width) if grad
          else u.new_empty(1, 0))
-    scale = _grad_scale(weight, inv) if grad else inv
+    scale = grad_scale(weight, inv) if grad else inv
     use_torch_threads()
-    _cross_rows_on_image(u.numpy(), _rows_in_place(probs), keys.contiguous().numpy(),
-                         inv.numpy(), _scalar(EPS, u), cross.numpy(), at.numpy(), grad,
-                         scale.numpy(), g.numpy(), _scalar(0.0, probs))
+    _cross_rows_on_image(u.numpy(), rows_in_place(probs), keys.contiguous().numpy(),
+                         inv.numpy(), numba_scalar(EPS, u), cross.numpy(), at.numpy(), grad,
+                         scale.numpy(), g.numpy(), numba_scalar(0.0, probs))
     if grad:
-        _floored_rows(g, u, sums, inv, scale, probs, keys, None, probs=True)
+        floored_rows_grad(g, u, sums, inv, scale, probs, keys, None, probs=True)
     return cross.neg_(), at, g if grad else None
+
+
+def _on_image_by_torch(u: torch.Tensor, probs: torch.Tensor, keys: torch.Tensor,
+                       weight: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`image_kl_on_image` by torch operations (a GPU's tensors; CPU tensors Numba does
+    not take): the same quantities, the cross sum in float64; no host wait (a row whose sum
+    falls under TINY drops the normalisation's term by a mask, as the floor holds its
+    total)."""
+    sums, inv = normaliser(u)
+    q = u * inv[:, None]
+    q_eps = q + EPS
+    p = probs.index_select(0, keys.to(probs.device)).to(u.dtype)
+    cross = torch.sum(p * torch.log(q_eps), -1, dtype=torch.float64)
+    at = u.argmax(-1)
+    if weight is None:
+        return cross.neg_(), at, None
+    d = p.div_(q_eps)  # P / (q + EPS)
+    c = torch.sum(d * q, -1).masked_fill_(sums < TINY, 0.0)
+    g = torch.sub(c[:, None], d).mul_(grad_scale(weight, inv)[:, None])
+    return cross.neg_(), at, g
 
 
 __all__ = ["image_kl_on_image"]

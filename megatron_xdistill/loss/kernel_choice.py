@@ -10,8 +10,9 @@ import torch
 from .chunk_rows import ChunkRows, build_chunk_rows
 from .collectives import Group, all_reduce
 from .common import GOLD_RULES
+from .gold_kernel import GoldKernel
 from .image_kernel import ImageKernel
-from .kernels import ColumnsKernel, DenseKernel, GoldKernel
+from .kernels import ColumnsKernel, DenseKernel
 from .numba_cpu import numba_takes
 from .payload import TeacherPayload
 from .shard import ProjectionShard

@@ -1,4 +1,4 @@
-"""The three student-side loss kernels, each split the same way for the chunked autograd Function.
+"""The student-side loss kernels of P-KL, each split the same way for the chunked autograd Function.
 
 A kernel turns one block of positions into per-chunk-row *raw* sums that are linear in the
 positions (so they can be summed over blocks and over CP ranks), computes the per-chunk KL from
@@ -9,91 +9,27 @@ contribution, transposed).
 ``ColumnsKernel``  P-KL on teacher columns per row (microbatch top-k, or per-chunk top-k + tail):
                    raw = projected mass on the row's columns [+ total projected mass].
 ``DenseKernel``    P-KL on all teacher columns: raw = projected mass on the image of W [r, |I|].
-``GoldKernel``     gold / H-KL: raw = summed logits / T [r, V_local] and summed log-partitions.
+
+Gold / H-KL's kernel is :mod:`.gold_kernel`'s, the exact form over an ``image`` payload
+:mod:`.image_kernel`'s (a ``DenseKernel``); what they read of a block is :mod:`.block_data`'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from . import cpu_rows, exact_rows, gold_rows, row_softmax, sorted_l1
+from . import exact_rows
+from .block_data import BlockData, Raw, rows_of, with_zero_row
 from .block_entries import BlockSlice, expand_block_entries
 from .chunk_rows import ChunkRows
-from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
+from .collectives import Group, all_reduce, replicated_sum
 from .common import EPS, TINY
 from .formulas import divergence, projected_kl, teacher_only_terms
 from .fused_grad import FusedGradWriter
 from .image_projection import ImageProjection
-from .numba_cpu import numba_takes
 from .payload import TeacherPayload
 from .shard import ProjectionShard
-from .sorted_top import sorted_top
 from .workspace import scratch
-
-Raw = dict[str, torch.Tensor]
-
-
-@dataclass
-class BlockData:
-    """One block of positions. The softmax p over the TP-wide vocabulary of x = logits / T is
-    ``probs_local * factor[:, None]`` (this shard's softmax, rescaled)."""
-
-    x: torch.Tensor            # [n, V_real] logits / T
-    probs_local: torch.Tensor  # [n, V_real] softmax of x over this shard's columns (forward,
-    # kernels with ``takes_unnormalised_softmax`` on CPU: exp(x - max x), 1 / sum in factor)
-    factor: torch.Tensor       # [n] exp(shard log-partition - TP-wide log-partition)
-    logz: torch.Tensor         # [n] TP-wide log-partition of x
-    seg: torch.Tensor          # [n] row within the block, -1 for none
-    num_rows: int
-    row_start: int             # first row's index among the rank's rows
-    seg_dummy: torch.Tensor    # [n] ``seg`` with 'none' = ``num_rows`` (for index_add / gather)
-    extra: torch.Tensor | None = None  # [n] this shard's projected mass (tail bucket)
-    index: int = 0             # the block's place among the call's blocks
-    unit_factor: bool = False  # factor is all ones (one TP rank): kernels may skip it
-    # Fused mode (``row_softmax``): no dense softmax; x holds the logits (any dtype, rows
-    # possibly strided), probabilities come from x * scale and this shard's log-partitions.
-    # CPU kernels that read only the logits (``needs_softmax`` False): probs_local None, x the
-    # logits / T, the shard's softmax exp(x - lz_local).
-    lz_local: torch.Tensor | None = None  # [n]
-    scale: float = 1.0
-
-    def probs_at(self, pos: torch.Tensor, lin: torch.Tensor) -> torch.Tensor:
-        """This shard's softmax at flat [n, V_real] indices ``lin`` (of rows ``pos``), in the
-        compute dtype (a new tensor)."""
-        if self.probs_local is not None:
-            return self.probs_local.reshape(-1).index_select(0, lin)
-        v = row_softmax.values_at(self.x, lin, pos).to(self.logz.dtype)
-        if self.scale != 1.0:
-            v.mul_(self.scale)
-        return v.sub_(self.lz_local.index_select(0, pos)).exp_()
-
-
-def _rows_of(payload_part: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Rows ``keys`` (flat b * C + c) of a payload part [B, C, ...]. With several samples the
-    part is a strided view into the flat payloads: gather the rows, never reshape the whole
-    part (a copy of all of it, per call: per block for the full and gold forms)."""
-    if payload_part.is_contiguous():
-        return payload_part.reshape(-1, *payload_part.shape[2:]).index_select(0, keys)
-    chunks = payload_part.shape[1]
-    return payload_part[torch.div(keys, chunks, rounding_mode="floor"), keys % chunks]
-
-
-def _row_table(payload_part: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table, row of the table for each key) in ``dtype``, for kernels that read
-    payload rows ``keys`` where they lie: the part as a [B * C, ...] view and the keys when it
-    is one contiguous table of ``dtype``; else its rows gathered (and converted), in order."""
-    if payload_part.is_contiguous() and payload_part.dtype == dtype:
-        return payload_part.reshape(-1, *payload_part.shape[2:]), keys
-    rows = _rows_of(payload_part, keys).to(dtype)
-    return rows, torch.arange(rows.shape[0], device=rows.device)
-
-
-def _with_zero_row(t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t, t.new_zeros(1, *t.shape[1:])], dim=0)
-
 
 #: Row sums within this relative distance of the common value count as equal to it.
 ROW_SUM_RTOL = 1e-6
@@ -179,7 +115,7 @@ class ColumnsKernel:
         if cols.dim() == 2:  # microbatch-global: one column set per sample
             return cols.index_select(0, torch.div(keys, self.payload.spec.num_chunks,
                                                   rounding_mode="floor"))
-        return _rows_of(cols, keys)
+        return rows_of(cols, keys)
 
     def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
         out = {"q": like.new_zeros(n, self.k)}
@@ -212,7 +148,7 @@ class ColumnsKernel:
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = replicated_sum(raw["q"], self.tp_group)
-        log_p = _rows_of(self.payload.logprobs, keys)
+        log_p = rows_of(self.payload.logprobs, keys)
         if self.tail:
             total = replicated_sum(raw["total"], self.tp_group)
             tail = self.payload.tail_logprob.reshape(-1).index_select(0, keys)
@@ -232,7 +168,7 @@ class ColumnsKernel:
             contrib.mul_(blk.factor.index_select(0, e.pos))
         dot = torch.zeros_like(blk.logz).index_add_(0, e.pos, contrib)
         if self.tail:
-            g_total = _with_zero_row(grad["total"])[blk.seg_dummy]
+            g_total = with_zero_row(grad["total"])[blk.seg_dummy]
             dot += g_total * blk.extra
         all_reduce(dot, self.tp_group)
         # dKL/dp = entries (+ g_total * rowsum); dKL/dx = p * (dKL/dp - <p, dKL/dp>)
@@ -449,129 +385,4 @@ class DenseKernel:
         self.proj.backward_into(out, blk.factor, blk.seg, grad["q"], inv_t, coef, self.tp_group)
 
 
-class GoldKernel:
-    """Gold / H-KL: KL on the common vocabulary + L1 of the sorted uncommon remainders."""
-
-    per_block = True
-    reads_logits = True
-    #: fp32 [block, V_local] temporaries at a block's peak (measured as DenseKernel's; 6.4 at 85)
-    block_buffers = 6.2
-
-    def __init__(self, payload: TeacherPayload, common_student: torch.Tensor, vocab_start: int,
-                 num_real: int, num_uncommon: int, beta: float, tp_group: Group) -> None:
-        self.payload, self.beta, self.tp_group = payload, beta, tp_group
-        self.num_real = num_real
-        self.num_common = int(common_student.numel())
-        local = (common_student >= vocab_start) & (common_student < vocab_start + num_real)
-        self.pair_local = torch.nonzero(local, as_tuple=True)[0]
-        self.col_common = common_student[local] - vocab_start
-        uncommon = torch.ones(num_real, dtype=torch.bool, device=common_student.device)
-        uncommon[self.col_common] = False
-        self.col_uncommon = torch.nonzero(uncommon, as_tuple=True)[0]
-        self.num_uncommon = num_uncommon
-        self.runs: sorted_l1.RunMemo | None = None  # the forward's sign runs (CPU, TP 1)
-
-    @staticmethod
-    def needs_softmax(like: torch.Tensor) -> bool:
-        """Whether the blocks need their softmax in a buffer. The raw sums read the logits
-        and log-partitions only, so on CPU none: the backward writes the gradient from the
-        logits (:func:`.cpu_rows.exp_spread_`)."""
-        return not numba_takes(like)
-
-    def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
-        return {"x": like.new_zeros(n, self.num_real), "lz": like.new_zeros(n)}
-
-    def raw(self, blk: BlockData) -> Raw:
-        seg = blk.seg_dummy
-        xsum = blk.x.new_zeros(blk.num_rows + 1, blk.x.shape[1]).index_add_(0, seg, blk.x)
-        lz = blk.x.new_zeros(blk.num_rows + 1).index_add_(0, seg, blk.logz)
-        return {"x": xsum[:-1], "lz": lz[:-1]}
-
-    @staticmethod
-    def _means(raw: Raw, counts: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Chunk means of this shard's log-probs, (x - lz) / count, on columns ``cols``."""
-        x = raw["x"]
-        return (x.index_select(1, cols) - raw["lz"][:, None]) / counts.to(x.dtype)[:, None]
-
-    def _by_runs(self, like: torch.Tensor) -> bool:
-        """Whether the uncommon L1 takes :mod:`.sorted_l1`'s sign runs (one TP rank, CPU)."""
-        return group_size(self.tp_group) == 1 and sorted_l1.supported(like)
-
-    def _by_rows(self, x: torch.Tensor) -> bool:
-        """Whether :mod:`.gold_rows`' CPU passes take these rows (forward KL, one TP rank, CPU,
-        every uncommon column a candidate); else torch's operations."""
-        return (self.beta == 0.0 and self._by_runs(x)
-                and self.col_uncommon.numel() >= self.num_uncommon)
-
-    def _memo(self) -> sorted_l1.RunMemo:
-        """The forward's sign runs, kept for the backward (one table per call, made once)."""
-        if self.runs is None:
-            part = self.payload.uncommon_probs
-            self.runs = sorted_l1.RunMemo(part.shape[0] * part.shape[1])
-        return self.runs
-
-    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        x = raw["x"]
-        rows = x.shape[0]
-        n = self.num_uncommon
-        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, :n]
-        if self._by_rows(x) and not any(v.requires_grad for v in raw.values()):
-            a_unc, checksum, kl, agree = gold_rows.forward_rows(
-                x, raw["lz"], counts, self.col_common, self.col_uncommon,
-                *_row_table(self.payload.logprobs, keys, x.dtype))
-            kl = kl + sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum,
-                                          keep=True).value
-            return kl, (agree if top1 else None)
-        b_common = _rows_of(self.payload.logprobs, keys)
-        a_common = self._means(raw, counts, self.col_common)
-        if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
-            a_common = a_common.new_zeros(rows, self.num_common).index_copy(
-                1, self.pair_local, a_common)
-        a_common = replicated_sum(a_common, self.tp_group)
-        a_unc = self._means(raw, counts, self.col_uncommon)
-        if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
-            a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
-        kl = divergence(b_common, None, a_common, self.beta)
-        if self._by_runs(a_unc):
-            kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self._memo(), keys)
-        else:
-            merged = sorted_top(a_unc, n)  # descending
-            if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
-                merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
-            kl = kl + (merged.exp() - t_sorted).abs().sum(-1)
-        if not top1:
-            return kl, None
-        if self.num_common:
-            return kl, a_common.argmax(-1) == b_common.argmax(-1)
-        return kl, torch.zeros(rows, dtype=torch.bool, device=x.device)
-
-    def raw_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
-                 weight: torch.Tensor) -> Raw | None:
-        """d(sum_r weight_r KL_r) / d raw written directly where :mod:`.gold_rows` runs
-        (forward KL, one TP rank, CPU): the common part's is -p_teacher (no recompute of the
-        student's common means), the uncommon part's the L1's sign times exp(a). None elsewhere
-        (the caller differentiates :meth:`kl`). Same quantities as autograd's through ``kl``."""
-        x = raw["x"]
-        if not self._by_rows(x):
-            return None
-        scale = weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype)
-        a_unc, checksum = gold_rows.uncommon_means(x, raw["lz"], counts, self.col_uncommon)
-        t_sorted = _rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
-        runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum)
-        table, b_keys = _row_table(self.payload.logprobs, keys, x.dtype)
-        g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
-                                          table, b_keys, scale, x.shape[1])
-        return {"x": g, "lz": g_lz}
-
-    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
-                       out: torch.Tensor) -> None:
-        seg = blk.seg_dummy
-        # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
-        g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
-        scale = blk.factor * (inv_t * _with_zero_row(g_lz)[seg] + coef)
-        if blk.probs_local is None:  # out from the logits: exp(x - lz_local) scale + g / T
-            cpu_rows.exp_spread_(out, blk.x, blk.lz_local, scale, seg, grad["x"], inv_t)
-            return
-        out.mul_(scale[:, None])
-        out.add_(_with_zero_row(grad["x"])[seg], alpha=inv_t)
+__all__ = ["ColumnsKernel", "DenseKernel", "TailRowSums"]

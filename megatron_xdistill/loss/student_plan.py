@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from . import cpu_rows, row_softmax
+from .block_data import BlockData, Raw
 from .block_gradients import BlockGradients, take_rows
 from .chunk_rows import ChunkRows
 from .collectives import Group, all_reduce, group_rank, group_size
-from .kernels import BlockData, Raw
 from .numba_cpu import numba_takes
 from .workspace import scratch
 

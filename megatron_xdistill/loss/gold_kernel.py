@@ -1,0 +1,151 @@
+"""Gold / H-KL's student-side kernel: the KL on the common vocabulary plus the L1 of the
+sorted uncommon remainders (ULD), from the block's summed logits / T and log-partitions.
+
+raw = per chunk row, the summed logits / T [r, V_local] and summed TP-wide log-partitions [r].
+On CPU with one TP rank the forward KL's rows take :mod:`.gold_rows`' passes and the L1
+:mod:`.sorted_l1`'s sign runs (gradient written directly); elsewhere torch's operations under
+autograd. The other kernels are in :mod:`.kernels` and :mod:`.image_kernel`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_rows, gold_rows, sorted_l1
+from .block_data import BlockData, Raw, row_table, rows_of, with_zero_row
+from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
+from .formulas import divergence
+from .numba_cpu import numba_takes
+from .payload import TeacherPayload
+from .sorted_top import sorted_top
+
+
+class GoldKernel:
+    """Gold / H-KL: KL on the common vocabulary + L1 of the sorted uncommon remainders."""
+
+    per_block = True
+    reads_logits = True
+    #: fp32 [block, V_local] temporaries at a block's peak (measured as DenseKernel's; 6.4 at 85)
+    block_buffers = 6.2
+
+    def __init__(self, payload: TeacherPayload, common_student: torch.Tensor, vocab_start: int,
+                 num_real: int, num_uncommon: int, beta: float, tp_group: Group) -> None:
+        self.payload, self.beta, self.tp_group = payload, beta, tp_group
+        self.num_real = num_real
+        self.num_common = int(common_student.numel())
+        local = (common_student >= vocab_start) & (common_student < vocab_start + num_real)
+        self.pair_local = torch.nonzero(local, as_tuple=True)[0]
+        self.col_common = common_student[local] - vocab_start
+        uncommon = torch.ones(num_real, dtype=torch.bool, device=common_student.device)
+        uncommon[self.col_common] = False
+        self.col_uncommon = torch.nonzero(uncommon, as_tuple=True)[0]
+        self.num_uncommon = num_uncommon
+        self.runs: sorted_l1.RunMemo | None = None  # the forward's sign runs (CPU, TP 1)
+
+    @staticmethod
+    def needs_softmax(like: torch.Tensor) -> bool:
+        """Whether the blocks need their softmax in a buffer. The raw sums read the logits
+        and log-partitions only, so on CPU none: the backward writes the gradient from the
+        logits (:func:`.cpu_rows.exp_spread_`)."""
+        return not numba_takes(like)
+
+    def empty_raw(self, n: int, like: torch.Tensor) -> Raw:
+        return {"x": like.new_zeros(n, self.num_real), "lz": like.new_zeros(n)}
+
+    def raw(self, blk: BlockData) -> Raw:
+        seg = blk.seg_dummy
+        xsum = blk.x.new_zeros(blk.num_rows + 1, blk.x.shape[1]).index_add_(0, seg, blk.x)
+        lz = blk.x.new_zeros(blk.num_rows + 1).index_add_(0, seg, blk.logz)
+        return {"x": xsum[:-1], "lz": lz[:-1]}
+
+    @staticmethod
+    def _means(raw: Raw, counts: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Chunk means of this shard's log-probs, (x - lz) / count, on columns ``cols``."""
+        x = raw["x"]
+        return (x.index_select(1, cols) - raw["lz"][:, None]) / counts.to(x.dtype)[:, None]
+
+    def _by_runs(self, like: torch.Tensor) -> bool:
+        """Whether the uncommon L1 takes :mod:`.sorted_l1`'s sign runs (one TP rank, CPU)."""
+        return group_size(self.tp_group) == 1 and sorted_l1.supported(like)
+
+    def _by_rows(self, x: torch.Tensor) -> bool:
+        """Whether :mod:`.gold_rows`' CPU passes take these rows (forward KL, one TP rank, CPU,
+        every uncommon column a candidate); else torch's operations."""
+        return (self.beta == 0.0 and self._by_runs(x)
+                and self.col_uncommon.numel() >= self.num_uncommon)
+
+    def _memo(self) -> sorted_l1.RunMemo:
+        """The forward's sign runs, kept for the backward (one table per call, made once)."""
+        if self.runs is None:
+            part = self.payload.uncommon_probs
+            self.runs = sorted_l1.RunMemo(part.shape[0] * part.shape[1])
+        return self.runs
+
+    def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x = raw["x"]
+        rows = x.shape[0]
+        n = self.num_uncommon
+        t_sorted = rows_of(self.payload.uncommon_probs, keys)[:, :n]
+        if self._by_rows(x) and not any(v.requires_grad for v in raw.values()):
+            a_unc, checksum, kl, agree = gold_rows.forward_rows(
+                x, raw["lz"], counts, self.col_common, self.col_uncommon,
+                *row_table(self.payload.logprobs, keys, x.dtype))
+            kl = kl + sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum,
+                                          keep=True).value
+            return kl, (agree if top1 else None)
+        b_common = rows_of(self.payload.logprobs, keys)
+        a_common = self._means(raw, counts, self.col_common)
+        if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
+            a_common = a_common.new_zeros(rows, self.num_common).index_copy(
+                1, self.pair_local, a_common)
+        a_common = replicated_sum(a_common, self.tp_group)
+        a_unc = self._means(raw, counts, self.col_uncommon)
+        if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
+            a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
+        kl = divergence(b_common, None, a_common, self.beta)
+        if self._by_runs(a_unc):
+            kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self._memo(), keys)
+        else:
+            merged = sorted_top(a_unc, n)  # descending
+            if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
+                merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
+            kl = kl + (merged.exp() - t_sorted).abs().sum(-1)
+        if not top1:
+            return kl, None
+        if self.num_common:
+            return kl, a_common.argmax(-1) == b_common.argmax(-1)
+        return kl, torch.zeros(rows, dtype=torch.bool, device=x.device)
+
+    def raw_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
+                 weight: torch.Tensor) -> Raw | None:
+        """d(sum_r weight_r KL_r) / d raw written directly where :mod:`.gold_rows` runs
+        (forward KL, one TP rank, CPU): the common part's is -p_teacher (no recompute of the
+        student's common means), the uncommon part's the L1's sign times exp(a). None elsewhere
+        (the caller differentiates :meth:`kl`). Same quantities as autograd's through ``kl``."""
+        x = raw["x"]
+        if not self._by_rows(x):
+            return None
+        scale = weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype)
+        a_unc, checksum = gold_rows.uncommon_means(x, raw["lz"], counts, self.col_uncommon)
+        t_sorted = rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
+        runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum)
+        table, b_keys = row_table(self.payload.logprobs, keys, x.dtype)
+        g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
+                                          table, b_keys, scale, x.shape[1])
+        return {"x": g, "lz": g_lz}
+
+    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
+                       out: torch.Tensor) -> None:
+        seg = blk.seg_dummy
+        # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
+        g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
+        scale = blk.factor * (inv_t * with_zero_row(g_lz)[seg] + coef)
+        if blk.probs_local is None:  # out from the logits: exp(x - lz_local) scale + g / T
+            cpu_rows.exp_spread_(out, blk.x, blk.lz_local, scale, seg, grad["x"], inv_t)
+            return
+        out.mul_(scale[:, None])
+        out.add_(with_zero_row(grad["x"])[seg], alpha=inv_t)
+
+
+__all__ = ["GoldKernel"]
