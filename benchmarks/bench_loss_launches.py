@@ -9,7 +9,8 @@ non-view aten operation is one kernel, or a few, on CUDA), for one and for many 
 batch: per block = the difference / the difference in blocks; per call = the rest. The counts do
 not depend on the machine.
 
-  python benchmarks/bench_loss_launches.py [--forms topk chunk_topk gold full] [--ce]
+  python benchmarks/bench_loss_launches.py [--forms topk chunk_topk gold full image] [--ce]
+      [--gpu-paths] [--forward-grad]
 
 Measured (torch 2.13 CPU, 2026-11-26; 2,048 positions, V_s 4,096, V_t 6,000, k = 64; fused CE;
 before = commit 74eaced, after = the W entries expanded once per call (``loss/block_entries.py``),
@@ -29,6 +30,22 @@ the block's raw sums as they are, no [rows, V] row selections or zero-filled gra
 
 On the H200 (16k tokens, V_s 49,152, fp32, k = 256, 64 MiB blocks): chunk top-k 59 -> 30 ms,
 top-k 39 -> 26 ms against Megatron CE's 12 ms (bench_loss.py's table).
+
+GPU paths with every Numba choice answered no (2026-11-29; before, gold had taken the CPU's
+logits-only blocks here and the exact forms the CPU's Numba rows), CE not fused; before = commit
+fbac932, after = the image form's KL and gradient made together by torch operations (no
+autograd recompute of the KL), the projection's rows from the blocks' row map and without the
+unit factor's product, its backward's <p, h> one batched product with inv_t taken on [rows,
+|I|], a block's KL and top-1 sums written into a per-call table, the log-partition written in
+place; "forward-written" = ``--forward-grad`` (training's one-teacher call):
+
+  form         ops / block, recomputed     ops / block, forward-written
+               before   after              before   after
+  topk           19.5    18.5                19.5    18.5
+  chunk_topk     36.0    35.0                36.0    35.0
+  gold           88.2    83.0                84.0    78.7
+  full           86.1    66.5                77.8    61.6
+  image          82.7    56.4                74.5    40.5
 """
 
 from __future__ import annotations
@@ -59,10 +76,12 @@ class OpCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_ops(form: str, ce: bool, positions_per_block: int) -> tuple[int, int]:
+def count_ops(form: str, ce: bool, positions_per_block: int, forward_grad: bool = False
+              ) -> tuple[int, int]:
     """(operations, blocks) of one forward + backward of ``form`` with blocks of about
-    ``positions_per_block`` positions."""
-    from megatron_xdistill.loss import parallel_kd_loss
+    ``positions_per_block`` positions; ``forward_grad``: the loss's weights given ahead
+    (``loss_weights``, training's one-teacher call: the forward writes the gradient)."""
+    from megatron_xdistill.loss import parallel_kd_loss, teacher_image
     from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
@@ -72,19 +91,23 @@ def count_ops(form: str, ce: bool, positions_per_block: int) -> tuple[int, int]:
     mode = "gold" if form == "gold" else "pkl"
     common = (None, None) if mode == "pkl" else common_vocab_from_dense(case.projection, mode)
     topk = {"topk": 64, "chunk_topk": 64}.get(form)
+    v = case.student_logits.shape[-1]
+    image = teacher_image(*case.projection_rows(v), case.vs) if form == "image" else None
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
-                        num_common=None if common[0] is None else common[0].numel())
+                        num_common=None if common[0] is None else common[0].numel(),
+                        num_image=None if image is None else image.numel())
     payload = teacher_payload(case.teacher_logits, predicting_chunk_id(case.teacher_chunk_id),
-                              spec, vocab_size=case.vt, common_teacher_ids=common[1])
+                              spec, vocab_size=case.vt, common_teacher_ids=common[1],
+                              image_teacher_ids=image)
     logits = case.student_logits.clone().requires_grad_(True)
-    v = logits.shape[-1]
     with OpCount() as forward:
         terms = parallel_kd_loss(
             logits, payload, predicting_chunk_id(case.student_chunk_id), case.chunk_valid,
             case.chunk_exact, case.projection_rows(v), student_vocab_size=case.vs, mode=mode,
             common_student_ids=common[0], labels=case.labels if ce else None,
-            block_bytes=4 * v * positions_per_block)
-    loss = terms.kd_sum / terms.kd_count.clamp_min(1) + terms.ce_sum
+            block_bytes=4 * v * positions_per_block,
+            loss_weights=(1.0, 1.0) if forward_grad else None)
+    loss = terms.kd_sum + terms.ce_sum
     with OpCount() as backward:
         loss.backward()
     return forward.count + backward.count, forward.softmax
@@ -92,13 +115,32 @@ def count_ops(form: str, ce: bool, positions_per_block: int) -> tuple[int, int]:
 
 def take_gpu_paths() -> None:
     """Where the loss picks its implementation by device, take the one a GPU runs (on CPU
-    tensors): the exact form's sparse-matrix projection and few-slice teacher pass, gold's
-    ``torch.topk``. The counts then follow the GPU's operation sequence."""
+    tensors): every choice of a Numba pass (``numba_takes`` / ``supported``) answered no, so
+    the blocks hold their softmax, the exact form takes the sparse-matrix projection, the
+    few-slice torch teacher pass and the torch rows, gold ``torch.topk`` and torch's sorted L1.
+    The counts then follow the GPU's operation sequence."""
     import torch
 
-    from megatron_xdistill.loss import image_projection, kernels, sorted_top
+    from megatron_xdistill.loss import (
+        cpu_rows,
+        exact_rows,
+        gold_kernel,
+        image_projection,
+        image_rows,
+        kernel_choice,
+        kernels,
+        sorted_l1,
+        sorted_top,
+        student_plan,
+    )
 
-    image_projection.ImageProjection._numba = staticmethod(lambda t: False)
+    def never(t: torch.Tensor) -> bool:
+        return False
+
+    for module in (image_rows, student_plan, gold_kernel, kernel_choice, cpu_rows):
+        module.numba_takes = never
+    exact_rows.supported = sorted_l1.supported = never
+    image_projection.ImageProjection._numba = staticmethod(never)
     rule = kernels.DenseKernel.teacher_rows_per_step.__func__
     kernels.DenseKernel.teacher_rows_per_step = classmethod(
         lambda cls, n, device: rule(cls, n, torch.device("cuda")))
@@ -108,18 +150,22 @@ def take_gpu_paths() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--forms", nargs="+", default=["topk", "chunk_topk", "gold", "full"],
-                        choices=["topk", "chunk_topk", "gold", "full"])
+                        choices=["topk", "chunk_topk", "gold", "full", "image"])
     parser.add_argument("--ce", action="store_true", help="fuse the next-token CE")
+    parser.add_argument("--forward-grad", action="store_true",
+                        help="give the loss's weights ahead (loss_weights), as training's "
+                             "one-teacher call does: the forward writes the gradient")
     parser.add_argument("--gpu-paths", action="store_true",
                         help="count the operations of the GPU's implementation choices")
     args = parser.parse_args(argv)
     if args.gpu_paths:
         take_gpu_paths()
     print(f"{'form':<12} {'ops / block':>11} {'ops / call':>10} {'blocks':>7}   (CE fused: "
-          f"{'yes' if args.ce else 'no'}; {'GPU' if args.gpu_paths else 'CPU'} paths)")
+          f"{'yes' if args.ce else 'no'}; {'GPU' if args.gpu_paths else 'CPU'} paths; gradient "
+          f"{'by the forward' if args.forward_grad else 'recomputed'})")
     for form in args.forms:
-        few_ops, few = count_ops(form, args.ce, 64)
-        many_ops, many = count_ops(form, args.ce, 16)
+        few_ops, few = count_ops(form, args.ce, 64, args.forward_grad)
+        many_ops, many = count_ops(form, args.ce, 16, args.forward_grad)
         per_block = (many_ops - few_ops) / (many - few)
         print(f"{form:<12} {per_block:>11.1f} {few_ops - per_block * few:>10.0f} "
               f"{few:>3}-{many:<3}", flush=True)

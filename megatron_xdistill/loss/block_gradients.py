@@ -58,6 +58,8 @@ class BlockGradients:
         self.grad_full = self._gradient_buffer(logits)
         self.grad_ce = self._ce_terms(torch.tensor(b, dtype=self.dtype, device=logits.device))
         self.grad_kd = torch.tensor(a, dtype=self.dtype, device=logits.device)
+        # the KL rows' weight in the kernels' own gradients (the KD sum carries T^2)
+        self.grad_kd_t2 = self.grad_kd * (self.temp * self.temp)
 
     def _grad_now(self, logits2d: torch.Tensor, blk, index: int, x: torch.Tensor,
                   probs: torch.Tensor | None, raw: Raw | None,

@@ -167,6 +167,12 @@ def _row_runs(seg: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Ten
     return order.index_select(0, perm), off
 
 
+def _seg_dummy(seg: torch.Tensor, num_rows: int, given: torch.Tensor | None) -> torch.Tensor:
+    """Each position's row with ``num_rows`` for none (the gathers' zero row): ``given``
+    where the caller has it."""
+    return given if given is not None else torch.where(seg >= 0, seg, num_rows)
+
+
 @dataclass
 class ImageProjection:
     """This TP rank's real rows of W, with teacher columns renumbered onto the image I of the
@@ -256,12 +262,15 @@ class ImageProjection:
         return out
 
     def project(self, probs_local: torch.Tensor, factor: torch.Tensor, seg: torch.Tensor,
-                num_rows: int, use_numba: bool | None = None) -> torch.Tensor:
+                num_rows: int, use_numba: bool | None = None, *,
+                seg_dummy: torch.Tensor | None = None, unit_factor: bool = False
+                ) -> torch.Tensor:
         """[num_rows, |I|]: per row, its positions' probabilities (``probs_local * factor``)
-        summed and projected onto I. ``seg``: row of each position, -1 for none.
-        ``use_numba``: None picks by device (tests force either). On CPU a view of a reused
-        buffer: valid until the next projection or :meth:`backward_into` (a block's: its
-        KL, then its gradient, read it first)."""
+        summed and projected onto I. ``seg``: row of each position, -1 for none
+        (``seg_dummy``: the same with ``num_rows`` for none, where the caller has it;
+        ``unit_factor``: ``factor`` is all ones). ``use_numba``: None picks by device (tests
+        force either). On CPU a view of a reused buffer: valid until the next projection or
+        :meth:`backward_into` (a block's: its KL, then its gradient, read it first)."""
         if self._numba(probs_local) if use_numba is None else use_numba:
             order, off = _row_runs(seg, num_rows)
             use_torch_threads()
@@ -271,24 +280,26 @@ class ImageProjection:
             _row_sums_t(probs_local.numpy(), factor.contiguous().numpy(), order.numpy(),
                         off.numpy(), mass_t.numpy())
             return self._by_lines(mass_t, True, "image_q")
-        out = probs_local.new_zeros(num_rows, self.size)
-        seg_d = torch.where(seg >= 0, seg, num_rows)
+        if num_rows == 0 or self.size == 0:
+            return probs_local.new_zeros(num_rows, self.size)
+        seg_d = _seg_dummy(seg, num_rows, seg_dummy)
         n = probs_local.shape[1]
         rows = probs_local.new_zeros(num_rows + 1, n).index_add_(
-            0, seg_d, probs_local * factor[:, None])[:-1]
-        if num_rows == 0 or self.size == 0:
-            return out
+            0, seg_d, probs_local if unit_factor else probs_local * factor[:, None])[:-1]
         # q_I^T = W_I^T rows^T: [|I|, V_real] CSR times [V_real, rows]
-        return torch.sparse.mm(self._matrix(out.dtype, True), rows.t()).t().contiguous()
+        return torch.sparse.mm(self._matrix(rows.dtype, True), rows.t()).t().contiguous()
 
     def backward_into(self, out: torch.Tensor, factor: torch.Tensor, seg: torch.Tensor,
                       grad_q: torch.Tensor, inv_t: float, coef: torch.Tensor,
-                      tp_group: Group, use_numba: bool | None = None) -> None:
+                      tp_group: Group, use_numba: bool | None = None, *,
+                      seg_dummy: torch.Tensor | None = None, unit_factor: bool = False
+                      ) -> None:
         """``out`` holds this shard's softmax of the block; leaves in it the gradient on the
         block's logits / T of sum_r <grad_q[r], q_I[r]> scaled by inv_t, plus ``coef * p``
-        (CE's softmax part). One sum all-reduce over TP (the <p, h> of each position)."""
+        (CE's softmax part). One sum all-reduce over TP (the <p, h> of each position).
+        ``seg_dummy`` / ``unit_factor``: as :meth:`project`'s."""
         num_rows = grad_q.shape[0]
-        grad_q = grad_q.to(out.dtype).contiguous()
+        grad_q = grad_q.to(out.dtype)
         if self._numba(out) if use_numba is None else use_numba:
             # The block's projection is read before its gradient is made: its two buffers
             # (same sizes) take the gradient transposed and h, unless the gradient is one.
@@ -304,15 +315,22 @@ class ImageProjection:
             _combine(out.numpy(), factor_np, seg_np, h.numpy(), dot.numpy(), float(inv_t),
                      coef.to(out.dtype).contiguous().numpy())
             return
-        if num_rows and self.size:  # h^T = W_I grad_q^T: [V_real, |I|] CSR times [|I|, rows]
-            h_rows = torch.sparse.mm(self._matrix(out.dtype, False), grad_q.t()).t()
+        # With h' = inv_t W_I grad_q (grad_q scaled before the product: [rows, |I|], not
+        # [positions, V]) and d' = <p, h'> (p = out * factor), the gradient is
+        # p (h' - d' + coef): dot, shift and one product with out; no [positions, V]
+        # temporary beyond the gathered h'.
+        if num_rows and self.size:  # h'^T = W_I grad_q'^T: [V_real, |I|] CSR times [|I|, rows]
+            h_rows = torch.sparse.mm(self._matrix(out.dtype, False), (grad_q * inv_t).t()).t()
         else:
             h_rows = out.new_zeros(num_rows, out.shape[1])
-        h = with_zero_row(h_rows)[torch.where(seg >= 0, seg, num_rows)]
-        dot = (out * h).sum(1) * factor
+        h = with_zero_row(h_rows).index_select(0, _seg_dummy(seg, num_rows, seg_dummy))
+        dot = torch.bmm(out.unsqueeze(1), h.unsqueeze(2)).view(-1)  # one batched product
+        if not unit_factor:
+            dot.mul_(factor)
         all_reduce(dot, tp_group)
-        h.sub_((dot - coef / inv_t)[:, None]).mul_((factor * inv_t)[:, None])
+        h.sub_(torch.sub(dot, coef)[:, None])
+        if not unit_factor:
+            h.mul_(factor[:, None])
         out.mul_(h)
-
 
 __all__ = ["ImageProjection", "teacher_image"]

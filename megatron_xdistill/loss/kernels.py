@@ -308,7 +308,8 @@ class DenseKernel:
         return {"q": like.new_zeros(n, self.proj.size)}
 
     def raw(self, blk: BlockData) -> Raw:
-        return {"q": self.proj.project(blk.probs_local, blk.factor, blk.seg, blk.num_rows)}
+        return {"q": self.proj.project(blk.probs_local, blk.factor, blk.seg, blk.num_rows,
+                                       seg_dummy=blk.seg_dummy, unit_factor=blk.unit_factor)}
 
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -382,7 +383,8 @@ class DenseKernel:
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:
-        self.proj.backward_into(out, blk.factor, blk.seg, grad["q"], inv_t, coef, self.tp_group)
+        self.proj.backward_into(out, blk.factor, blk.seg, grad["q"], inv_t, coef, self.tp_group,
+                                seg_dummy=blk.seg_dummy, unit_factor=blk.unit_factor)
 
 
 __all__ = ["ColumnsKernel", "DenseKernel", "TailRowSums"]

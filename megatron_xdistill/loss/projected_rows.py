@@ -25,7 +25,7 @@ def numba_scalar(value: float, like: torch.Tensor):
 def normaliser(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum u, 1 / sum u floored at TINY) per row."""
     sums = u.sum(-1)
-    return sums, 1.0 / sums.clamp_min(TINY)
+    return sums, sums.clamp_min(TINY).reciprocal_()
 
 
 def grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:

@@ -83,13 +83,17 @@ class StudentLossPlan(BlockGradients):
         x.copy_(z)
         return x if scale == 1.0 else x.mul_(scale)
 
-    def _local_softmax(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """Softmax of x over this shard's columns into ``out``; returns its log-partition."""
+    def _local_softmax(self, x: torch.Tensor, out: torch.Tensor,
+                       lz_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax of x over this shard's columns into ``out``; returns its log-partition
+        (written into ``lz_out`` where given)."""
         if self.num_real == 0:
-            return x.new_full((x.shape[0],), float("-inf"))
+            lz = x.new_full((x.shape[0],), float("-inf"))
+            return lz if lz_out is None else lz_out.copy_(lz)
         top = x.amax(1)  # before the softmax: ``out`` may be x itself
         torch.ops.aten._softmax.out(x, 1, False, out=out)
-        return top - out.amax(1).log()  # the largest p is 1 / sum exp(x - max x)
+        # the largest p is 1 / sum exp(x - max x)
+        return torch.sub(top, out.amax(1).log_(), out=lz_out)
 
     def _targets(self) -> None:
         """Per position, once per call: has a label (as 0/1 in the compute dtype), the label's
@@ -162,6 +166,8 @@ class StudentLossPlan(BlockGradients):
         self.extra = torch.empty(n_pos, **opts) if self.tail is not None else None
         self.norm = torch.empty(n_pos, **opts) if self._unnormalised(logits2d) else None
         acc = torch.zeros(3, dtype=torch.float64, device=dev)  # kd, top1, ce
+        # per block: (KL sum, top-1 matches) of its rows held whole here, summed once
+        block_sums = torch.zeros(len(rows.blocks), 2, dtype=torch.float64, device=dev)
         raws, split_buf = [], None
         # The label's logit is read before any block's gradient may be written over it.
         picked = self._picked(logits2d) if self.labels is not None else None
@@ -189,7 +195,7 @@ class StudentLossPlan(BlockGradients):
             raw = kernel.raw(data)
             if kernel.per_block:
                 split_buf = self._stash_split(raw, blk, split_buf, index)
-                acc[:2] += self._finish_local(raw, blk, index)
+                self._finish_local(raw, blk, index, block_sums[index])
                 if self.grad_now:
                     self._grad_now(logits2d, blk, index, x, probs, raw, self.block_grad)
                     self.block_grad = None
@@ -204,7 +210,7 @@ class StudentLossPlan(BlockGradients):
                 acc[0] += kl.double().sum()
                 acc[1] += t1.double().sum()
                 split_buf = self._stash_split(self.raw_all, None, split_buf)
-        acc[:2] += self._finish_split(split_buf, logits2d)
+        acc[:2] += block_sums.sum(0) + self._finish_split(split_buf, logits2d)
         if self.labels is not None:
             acc[2] += self._ce_sum(picked)
         self.norm = None  # the backward recomputes its softmaxes normalised
@@ -237,12 +243,12 @@ class StudentLossPlan(BlockGradients):
             lz_local.copy_(lz)
             self.norm[start:end].copy_(norm)
         else:
-            lz_local.copy_(self._local_softmax(x, probs))
+            self._local_softmax(x, probs, lz_local)
         lz1 = None
         if self._ce_extra:  # CE's partition at T = 1 needs a softmax of its own
             z = self._x(logits2d, start, end, unscaled=True)
             lz1 = self.lz1_local[start:end]
-            lz1.copy_(self._local_softmax(z, self._workspace(end - start, x, "p1")))
+            self._local_softmax(z, self._workspace(end - start, x, "p1"), lz1)
         mass = None if self.extra is None else self.tail.mass(probs)
         self._reduce_partition(lz_local, lz1, mass, start, end)
         return lz_local
@@ -314,27 +320,28 @@ class StudentLossPlan(BlockGradients):
                 buf[k][dst] = v.index_select(0, sel)
         return buf
 
-    def _finish_local(self, raw: Raw, blk, index: int) -> torch.Tensor:
+    def _finish_local(self, raw: Raw, blk, index: int, sums: torch.Tensor) -> None:
         """(KL sum, top-1 matches) of the rows of block ``blk`` (number ``index``) held whole
-        by this rank."""
+        by this rank, written into ``sums`` [2] (float64; left as it is where the block holds
+        none): two reductions a block, no stack or accumulation (a GPU's launches)."""
         rows = self.rows
         sel = rows.local_of_block(index)
-        dev = next(iter(raw.values())).device
         if sel.numel() == 0:
-            return torch.zeros(2, dtype=torch.float64, device=dev)
+            return
         keys = rows.keys[blk.row_start: blk.row_end]
         counts = rows.count[blk.row_start: blk.row_end]
+        kl = None
         if not rows.all_local(index):  # else all rows, in order: no [rows, V] copies
             raw, keys, counts = take_rows(raw, sel), keys[sel], counts[sel]
         elif self.grad_now:  # the KL and its gradient from one pass, where the kernel can
             fused = getattr(self.kernel, "kl_with_grad", None)
-            out = None if fused is None else fused(raw, keys, counts,
-                                                   self.grad_kd * (self.temp * self.temp))
+            out = None if fused is None else fused(raw, keys, counts, self.grad_kd_t2)
             if out is not None:
                 kl, t1, self.block_grad = out
-                return torch.stack([kl.double().sum(), t1.double().sum()])
-        kl, t1 = self.kernel.kl(raw, keys, counts)
-        return torch.stack([kl.double().sum(), t1.double().sum()])
+        if kl is None:
+            kl, t1 = self.kernel.kl(raw, keys, counts)
+        torch.sum(kl, 0, dtype=torch.float64, out=sums[0])
+        torch.sum(t1, 0, dtype=torch.float64, out=sums[1])
 
     def _finish_split(self, buf: Raw | None, like: torch.Tensor) -> torch.Tensor:
         """(KL sum, top-1 matches) of the split chunks this rank owns, after the CP sum."""
