@@ -37,13 +37,16 @@ fbac932, after = the image form's KL and gradient made together by torch operati
 autograd recompute of the KL), the projection's rows from the blocks' row map and without the
 unit factor's product, its backward's <p, h> one batched product with inv_t taken on [rows,
 |I|], a block's KL and top-1 sums written into a per-call table, the log-partition written in
-place; "forward-written" = ``--forward-grad`` (training's one-teacher call):
+place (commit 070b99b); then gold's forward KL and its gradient made together by torch
+operations with one TP rank (its means over all columns once, no autograd recompute), its
+block gradient without TP's reduction or the unit factor's product with one TP rank;
+"forward-written" = ``--forward-grad`` (training's one-teacher call):
 
   form         ops / block, recomputed     ops / block, forward-written
                before   after              before   after
   topk           19.5    18.5                19.5    18.5
   chunk_topk     36.0    35.0                36.0    35.0
-  gold           88.2    83.0                84.0    78.7
+  gold           88.2    69.4                84.0    46.6
   full           86.1    66.5                77.8    61.6
   image          82.7    56.4                74.5    40.5
 """

@@ -197,6 +197,27 @@ def test_exact_form_torch_path_forward_gradient_matches_reference(monkeypatch):
     _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)
 
 
+@pytest.mark.parametrize("mode,temperature,with_ce", [("gold", 1.0, True), ("hkl", 1.5, False)])
+@pytest.mark.parametrize("weighted", [True, False], ids=["forward-written", "recomputing"])
+def test_gold_torch_path_matches_reference(monkeypatch, mode, temperature, with_ce, weighted):
+    """Gold / H-KL as a GPU runs them (softmax blocks, torch's top-k; the forward KL and its
+    gradient made together, not by autograd), forced on CPU: the reference's loss and
+    gradient, with the loss's weights given ahead and with the recomputing backward."""
+    from megatron_xdistill.loss import gold_kernel, sorted_l1
+
+    monkeypatch.setattr(sorted_l1, "supported", lambda t: False)
+    _force_softmax_buffer(monkeypatch)
+    made = []
+    forward_kl = gold_kernel.GoldKernel._forward_kl
+    monkeypatch.setattr(gold_kernel.GoldKernel, "_forward_kl",
+                        lambda self, *a, **k: made.append(1) or forward_kl(self, *a, **k))
+    case = _case()
+    loss, grad = _grad(case, mode, "gold", temperature, with_ce, True, weighted=weighted)
+    ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
+    _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)
+    assert made  # the path under test ran
+
+
 def test_a_second_backward_raises_clearly():
     """The forward's gradient is handed to the first backward, not kept: a second one (with
     retain_graph) says so instead of failing on a missing buffer."""

@@ -74,6 +74,54 @@ class GoldKernel:
         return (self.beta == 0.0 and self._by_runs(x)
                 and self.col_uncommon.numel() >= self.num_uncommon)
 
+    def _by_torch(self, x: torch.Tensor) -> bool:
+        """Whether the forward KL's value and gradient come from :meth:`_forward_kl` (one TP
+        rank, torch's sort: a GPU), made together instead of by autograd through :meth:`kl`
+        (which took the KL a second time for the gradient)."""
+        return self.beta == 0.0 and group_size(self.tp_group) == 1 and not self._by_runs(x)
+
+    def _forward_kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
+                    weight: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, Raw | None]:
+        """(KL, top-1, d(sum_r weight_r KL_r) / d raw or None) of the forward KL with one TP
+        rank by torch operations: the quantities of :meth:`kl` and of autograd through it.
+        With a = (x - lz) / count: dKL/da is -P on the common pairs and sign(e^a - t) e^a on
+        the n uncommon values ``topk`` picked (0 where they tie, as autograd's abs); dKL/dx =
+        dKL/da / count on each column, dKL/dlz = -(their sum)."""
+        x = raw["x"]
+        rows, n, num_unc = x.shape[0], self.num_uncommon, self.col_uncommon.numel()
+        b_common = rows_of(self.payload.logprobs, keys)
+        p_common = b_common.exp()
+        means = (x - raw["lz"][:, None]).div_(counts.to(x.dtype)[:, None])  # all columns
+        a_common = means.index_select(1, self.col_common)
+        kl = (p_common * (b_common - a_common)).sum(-1)
+        a_unc = means.index_select(1, self.col_uncommon)
+        if num_unc < n:  # fewer uncommon columns than candidates: -inf pads (e^a = 0)
+            a_unc = torch.cat([a_unc, x.new_full((rows, n - num_unc), float("-inf"))], 1)
+        top, at = a_unc.topk(n, dim=1)  # descending
+        e = top.exp()
+        diff = e - rows_of(self.payload.uncommon_probs, keys)[:, :n]
+        kl = kl + diff.abs().sum(-1)
+        top1 = (a_common.argmax(-1) == b_common.argmax(-1) if self.num_common
+                else torch.zeros(rows, dtype=torch.bool, device=x.device))
+        if weight is None:
+            return kl, top1, None
+        scale = (weight.to(x.dtype).expand(rows) / counts.to(x.dtype))[:, None]
+        g_unc = x.new_zeros(rows, a_unc.shape[1]).scatter_(
+            1, at, diff.sign_().mul_(e).mul_(scale))[:, :num_unc]
+        g = x.new_empty(rows, x.shape[1])  # the common and uncommon columns are all of it
+        g.index_copy_(1, self.col_common, p_common.mul_(scale).neg_())
+        g.index_copy_(1, self.col_uncommon, g_unc)
+        return kl, top1, {"x": g, "lz": g.sum(-1).neg_()}
+
+    def kl_with_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Raw] | None:
+        """(:meth:`kl`, top-1, :meth:`raw_grad`) made together where :meth:`_forward_kl`
+        runs (a forward that writes the gradient); None elsewhere."""
+        if not self._by_torch(raw["x"]):
+            return None
+        return self._forward_kl(raw, keys, counts, weight)
+
     def _memo(self) -> sorted_l1.RunMemo:
         """The forward's sign runs, kept for the backward (one table per call, made once)."""
         if self.runs is None:
@@ -93,6 +141,9 @@ class GoldKernel:
                 *row_table(self.payload.logprobs, keys, x.dtype))
             kl = kl + sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum,
                                           keep=True).value
+            return kl, (agree if top1 else None)
+        if self._by_torch(x) and not any(v.requires_grad for v in raw.values()):
+            kl, agree, _ = self._forward_kl(raw, keys, counts)
             return kl, (agree if top1 else None)
         b_common = rows_of(self.payload.logprobs, keys)
         a_common = self._means(raw, counts, self.col_common)
@@ -121,9 +172,12 @@ class GoldKernel:
                  weight: torch.Tensor) -> Raw | None:
         """d(sum_r weight_r KL_r) / d raw written directly where :mod:`.gold_rows` runs
         (forward KL, one TP rank, CPU): the common part's is -p_teacher (no recompute of the
-        student's common means), the uncommon part's the L1's sign times exp(a). None elsewhere
-        (the caller differentiates :meth:`kl`). Same quantities as autograd's through ``kl``."""
+        student's common means), the uncommon part's the L1's sign times exp(a); by
+        :meth:`_forward_kl` where it runs (a GPU). None elsewhere (the caller differentiates
+        :meth:`kl`). Same quantities as autograd's through ``kl``."""
         x = raw["x"]
+        if self._by_torch(x):
+            return self._forward_kl(raw, keys, counts, weight)[2]
         if not self._by_rows(x):
             return None
         scale = weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype)
@@ -139,8 +193,12 @@ class GoldKernel:
                        out: torch.Tensor) -> None:
         seg = blk.seg_dummy
         # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
-        g_lz = all_reduce(grad["lz"].clone(), self.tp_group)
-        scale = blk.factor * (inv_t * with_zero_row(g_lz)[seg] + coef)
+        g_lz = grad["lz"]
+        if group_size(self.tp_group) > 1:
+            g_lz = all_reduce(g_lz.clone(), self.tp_group)
+        scale = torch.add(coef, with_zero_row(g_lz)[seg], alpha=inv_t)
+        if not blk.unit_factor:
+            scale.mul_(blk.factor)
         if blk.probs_local is None:  # out from the logits: exp(x - lz_local) scale + g / T
             cpu_rows.exp_spread_(out, blk.x, blk.lz_local, scale, seg, grad["x"], inv_t)
             return
