@@ -9,8 +9,11 @@
 #                          on the GPU vs the CPU run, KV-cached greedy generation vs HF)
 #   bench_loss      200 s  the loss forms vs Megatron's CE at 16k tokens, V_s 49,152 and 128,256
 #   bench_loss_blocks 150 s  the exact and gold forms: a kernel profile, and three block sizes
-#   bench_loss_image 200 s  the image form (training's exact payload) and chunk top-k vs CE at
-#                          16k tokens, V_s 49,152 (bench_loss.py's synthetic W)
+#   bench_loss_image 200 s  the image form (training's exact payload), gold and chunk top-k vs
+#                          CE at 16k tokens, V_s 49,152 (bench_loss.py's synthetic W); the
+#                          GPU paths of the first two make the KL and its gradient together
+#                          since 070b99b / 9926b69 (bench_loss_launches: 74.5 -> 40.5 and
+#                          84.0 -> 46.6 operations a block): their GPU times are owed
 #   bench_sorted_top 90 s  gold's sorted top-8192 of ~24k columns: topk vs a full sort
 #   bench_step      200 s  step time, colocated, bf16, random weights, chunk top-64
 #   bench_onpolicy  200 s  on-policy generation speed and its share of a step
@@ -58,7 +61,7 @@ for name in "$@"; do
                   --tokens 16384 --forms topk chunk_topk gold full --repeat 3 ;;
     bench_loss_blocks) part bench_loss_blocks 150 bash -c "$(declare -f blocks); blocks" ;;
     bench_loss_image) part bench_loss_image 200 python3 benchmarks/bench_loss.py --device cuda \
-                        --tokens 16384 --vs 49152 --forms chunk_topk image --repeat 3 ;;
+                        --tokens 16384 --vs 49152 --forms chunk_topk image gold --repeat 3 ;;
     bench_sorted_top) part bench_sorted_top 90 python3 benchmarks/bench_sorted_top.py \
                         --device cuda --rows 1024 4096 16384 ;;
     bench_step) part bench_step 200 python3 benchmarks/bench_step_time.py --device cuda \
