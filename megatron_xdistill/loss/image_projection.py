@@ -333,4 +333,5 @@ class ImageProjection:
             h.mul_(factor[:, None])
         out.mul_(h)
 
+
 __all__ = ["ImageProjection", "teacher_image"]
