@@ -100,7 +100,7 @@ class GoldKernel:
             a_unc = torch.cat([a_unc, x.new_full((rows, n - num_unc), float("-inf"))], 1)
         top, at = a_unc.topk(n, dim=1)  # descending
         e = top.exp()
-        diff = e - rows_of(self.payload.uncommon_probs, keys)[:, :n]
+        diff = e - self._teacher_sorted(keys)
         kl = kl + diff.abs().sum(-1)
         top1 = (a_common.argmax(-1) == b_common.argmax(-1) if self.num_common
                 else torch.zeros(rows, dtype=torch.bool, device=x.device))
@@ -125,15 +125,34 @@ class GoldKernel:
             return self._forward_kl(raw, keys, counts, weight)
         if not self._by_rows(x):
             return None
+        kl, agree, a_unc, runs, table, b_keys = self._rows_kl(raw, keys, counts)
+        return kl, agree, self._rows_grad(x, counts, weight, a_unc, runs, table, b_keys)
+
+    def _rows_kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor):
+        """:mod:`.gold_rows`' forward pass and the L1's sign runs (kept for a backward): (KL,
+        student / teacher argmax agreement, the uncommon means, the runs, the teacher's
+        log-prob table and its rows for ``keys``)."""
+        x = raw["x"]
         table, b_keys = row_table(self.payload.logprobs, keys, x.dtype)
         a_unc, checksum, kl, agree = gold_rows.forward_rows(
             x, raw["lz"], counts, self.col_common, self.col_uncommon, table, b_keys)
-        t_sorted = rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
-        runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum, keep=True)
+        runs = sorted_l1.sign_runs(a_unc, self._teacher_sorted(keys), self._memo(), keys,
+                                   checksum, keep=True)
+        return kl + runs.value, agree, a_unc, runs, table, b_keys
+
+    def _rows_grad(self, x: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor,
+                   a_unc: torch.Tensor, runs: sorted_l1.SignRuns, table: torch.Tensor,
+                   b_keys: torch.Tensor) -> Raw:
+        """:mod:`.gold_rows`' gradient pass on the raw sums, from the uncommon means and their
+        sign runs."""
         scale = weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype)
         g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
                                           table, b_keys, scale, x.shape[1])
-        return kl + runs.value, agree, {"x": g, "lz": g_lz}
+        return {"x": g, "lz": g_lz}
+
+    def _teacher_sorted(self, keys: torch.Tensor) -> torch.Tensor:
+        """The teacher's sorted uncommon probabilities of the rows ``keys`` [r, n]."""
+        return rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
 
     def _memo(self) -> sorted_l1.RunMemo:
         """The forward's sign runs, kept for the backward (one table per call, made once)."""
@@ -147,17 +166,13 @@ class GoldKernel:
         x = raw["x"]
         rows = x.shape[0]
         n = self.num_uncommon
-        t_sorted = rows_of(self.payload.uncommon_probs, keys)[:, :n]
         if self._by_rows(x) and not any(v.requires_grad for v in raw.values()):
-            a_unc, checksum, kl, agree = gold_rows.forward_rows(
-                x, raw["lz"], counts, self.col_common, self.col_uncommon,
-                *row_table(self.payload.logprobs, keys, x.dtype))
-            kl = kl + sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum,
-                                          keep=True).value
+            kl, agree = self._rows_kl(raw, keys, counts)[:2]
             return kl, (agree if top1 else None)
         if self._by_torch(x) and not any(v.requires_grad for v in raw.values()):
             kl, agree, _ = self._forward_kl(raw, keys, counts)
             return kl, (agree if top1 else None)
+        t_sorted = self._teacher_sorted(keys)
         b_common = rows_of(self.payload.logprobs, keys)
         a_common = self._means(raw, counts, self.col_common)
         if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
@@ -193,14 +208,11 @@ class GoldKernel:
             return self._forward_kl(raw, keys, counts, weight)[2]
         if not self._by_rows(x):
             return None
-        scale = weight.to(x.dtype).expand(x.shape[0]) / counts.to(x.dtype)
         a_unc, checksum = gold_rows.uncommon_means(x, raw["lz"], counts, self.col_uncommon)
-        t_sorted = rows_of(self.payload.uncommon_probs, keys)[:, : self.num_uncommon]
-        runs = sorted_l1.sign_runs(a_unc, t_sorted, self._memo(), keys, checksum)
+        runs = sorted_l1.sign_runs(a_unc, self._teacher_sorted(keys), self._memo(), keys,
+                                   checksum)
         table, b_keys = row_table(self.payload.logprobs, keys, x.dtype)
-        g, g_lz = gold_rows.gradient_rows(a_unc, runs, self.col_common, self.col_uncommon,
-                                          table, b_keys, scale, x.shape[1])
-        return {"x": g, "lz": g_lz}
+        return self._rows_grad(x, counts, weight, a_unc, runs, table, b_keys)
 
     def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
                        out: torch.Tensor) -> None:

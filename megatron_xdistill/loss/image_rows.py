@@ -87,15 +87,17 @@ def image_kl_on_image(u: torch.Tensor, probs: torch.Tensor, keys: torch.Tensor,
     of V_t, 22 rows, one thread; P rows: module docstring.)"""
     rows, width = u.shape
     grad = weight is not None
-    if rows and width and probs.shape[1] != width:
+    if rows == 0 or width == 0:
+        return (torch.zeros(rows, dtype=torch.float64, device=u.device),
+                torch.zeros(rows, dtype=torch.int64, device=u.device),
+                torch.zeros_like(u) if grad else None)
+    if probs.shape[1] != width:
         raise ValueError(f"image payload rows have {probs.shape[1]} columns, u {width}")
     u = u.detach().contiguous()
-    if rows and width and not (numba_takes(u) and numba_takes(probs)):
+    if not (numba_takes(u) and numba_takes(probs)):
         return _on_image_by_torch(u, probs, keys, weight)
-    cross = torch.zeros(rows, dtype=torch.float64, device=u.device)
-    at = torch.zeros(rows, dtype=torch.int64, device=u.device)
-    if rows == 0 or width == 0:
-        return cross, at, torch.zeros_like(u) if grad else None
+    cross = torch.empty(rows, dtype=torch.float64)
+    at = torch.empty(rows, dtype=torch.int64)
     sums, inv = normaliser(u)
     g = (scratch("image_grad", rows * width, u.device, u.dtype).view(rows, width) if grad
          else u.new_empty(1, 0))
