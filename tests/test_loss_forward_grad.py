@@ -218,6 +218,40 @@ def test_gold_torch_path_matches_reference(monkeypatch, mode, temperature, with_
     assert made  # the path under test ran
 
 
+@pytest.mark.parametrize("mode,temperature,with_ce,threads",
+                         [("gold", 1.0, True, 1), ("hkl", 2.0, False, 2), ("gold", 1.0, False, 2)])
+@pytest.mark.parametrize("into", [True, False], ids=["over-logits", "own-buffer"])
+def test_gold_from_logits_path_matches_reference(monkeypatch, mode, temperature, with_ce,
+                                                 threads, into):
+    """Gold / H-KL on CPU with one TP rank and the loss's weights given ahead: each block's
+    log-partitions, KL and gradient straight from its logits (``loss/gold_block.py``, no raw
+    sums made). The float64 reference's loss and gradient; every block with chunk rows takes
+    that path (positions of no chunk row among them), its rows split over the threads."""
+    from megatron_xdistill.loss import gold_block, gold_kernel
+
+    case = _case()
+    assert bool((predicting_chunk_id(case.student_chunk_id) < 0).any())  # orphan positions
+    counts = _counts(case, mode, "gold", temperature, with_ce)
+    calls = []
+    for name in ("forward_block", "spread_block"):
+        real = getattr(gold_block, name)
+        monkeypatch.setattr(gold_block, name, lambda *a, _f=real, _n=name, **k:
+                            calls.append(_n) or _f(*a, **k))
+    monkeypatch.setattr(gold_kernel.GoldKernel, "raw",
+                        lambda self, blk: pytest.fail("raw sums made on the fused path"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        loss, grad = _grad(case, mode, "gold", temperature, with_ce, into, weighted=True,
+                           counts=counts)
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_grad = case.reference_loss(mode, temperature, with_ce)
+    _assert_reference(case, loss, grad, ref, 3.0 * ref_grad)
+    blocks = calls.count("forward_block")
+    assert blocks > 2 and calls.count("spread_block") == blocks
+
+
 def test_a_second_backward_raises_clearly():
     """The forward's gradient is handed to the first backward, not kept: a second one (with
     retain_graph) says so instead of failing on a missing buffer."""

@@ -203,11 +203,22 @@ def test_sorted_top_equals_topk_with_its_gradient(n):
     torch.testing.assert_close(mine.grad[finite], ref.grad[finite])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_top_values_radix_select_equals_numpys_sort(dtype):
+def test_top_values_radix_select_equals_numpys_sort(dtype, threads):
     """The Numba radix select + sort against NumPy's full sort, bit for bit: rows of ordinary
     log-values, wide and narrow spreads (one histogram bucket or many), -inf pads, signed
-    zeros, many ties, one distinct value, n = 1 and n = m; the columns point at the values."""
+    zeros, many ties, one distinct value, n = 1 and n = m; the columns point at the values;
+    the rows split over one thread or two (each thread's scratch reused row after row)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_top_values(dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_top_values(dtype) -> None:
     rng = np.random.default_rng(0)
     m = 3000
     a = (rng.standard_normal((9, m)) * 2 - 11).astype(dtype)
@@ -228,6 +239,9 @@ def test_top_values_radix_select_equals_numpys_sort(dtype):
             np.take_along_axis(a, cols, 1).view(np.uint8), values.view(np.uint8))
         assert all(len(set(row)) == n for row in cols.tolist())  # distinct columns
         np.testing.assert_array_equal(top_values(a, n)[0], values)
+        out = np.full((9, n), np.nan, dtype)
+        top_values(a, n, out=out)
+        np.testing.assert_array_equal(out, values)
 
 
 def _l1_reference(a: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

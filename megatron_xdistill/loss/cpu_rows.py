@@ -123,12 +123,12 @@ def _fast_exp(x):
     return None
 
 
-def _zero_of(x):  # pragma: no cover - replaced by the overload inside Numba code
+def zero_of(x):  # pragma: no cover - replaced by the overload inside Numba code
     """0 in the type of ``x`` (float32 sums stay float32 and vectorise 16 lanes wide)."""
     return 0.0
 
 
-@overload(_zero_of)
+@overload(zero_of)
 def _zero_of_type(x):
     if x == types.float32:
         return lambda x: np.float32(0.0)  # pragma: no cover - numba
@@ -233,7 +233,7 @@ def _logsumexp_rows(x, top, out):  # pragma: no cover - numba
         if m == -math.inf:  # all -inf: an empty distribution
             out[i] = m
             continue
-        total = _zero_of(m)  # in fp32 for fp32 rows: 16 partial sums, as torch's
+        total = zero_of(m)  # in fp32 for fp32 rows: 16 partial sums, as torch's
         for v in range(row.shape[0]):
             total += fast_exp(row[v] - m)
         out[i] = m + math.log(total)
@@ -266,7 +266,7 @@ _PIECE_LIMIT = 1e27
 
 @njit(inline="always", fastmath=FASTMATH)
 def _exp_sum_piece(o, xi, m):  # pragma: no cover - numba
-    part = _zero_of(m)  # in the rows' dtype: vectorised
+    part = zero_of(m)  # in the rows' dtype: vectorised
     for v in range(o.shape[0]):
         e = fast_exp(xi[v] - m)
         o[v] = e
@@ -343,13 +343,15 @@ def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _exp_row(o, xi, z, c):  # pragma: no cover - numba
+def exp_row(o, xi, z, c):  # pragma: no cover - numba
+    """o = exp(xi - z) * c (a position's softmax times its coefficient)."""
     for v in range(o.shape[0]):
         o[v] = fast_exp(xi[v] - z) * c
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _exp_row_plus(o, xi, z, c, gr, alpha):  # pragma: no cover - numba
+def exp_row_plus(o, xi, z, c, gr, alpha):  # pragma: no cover - numba
+    """o = exp(xi - z) * c + alpha * gr (plus its chunk row's raw gradient)."""
     for v in range(o.shape[0]):
         o[v] = fast_exp(xi[v] - z) * c + alpha * gr[v]
 
@@ -360,9 +362,9 @@ def _exp_spread(out, x, lz, coef, seg, g, alpha):  # pragma: no cover - numba
     for i in prange(out.shape[0]):
         r = seg[i]
         if 0 <= r < rows:
-            _exp_row_plus(out[i], x[i], lz[i], coef[i], g[r], alpha)
+            exp_row_plus(out[i], x[i], lz[i], coef[i], g[r], alpha)
         else:
-            _exp_row(out[i], x[i], lz[i], coef[i])
+            exp_row(out[i], x[i], lz[i], coef[i])
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
@@ -374,9 +376,9 @@ def _exp_spread_over(x, lz, coef, seg, g, alpha):  # pragma: no cover - numba
     for i in prange(x.shape[0]):
         r, xi = seg[i], x[i]
         if 0 <= r < rows:
-            _exp_row_plus(xi, xi, lz[i], coef[i], g[r], alpha)
+            exp_row_plus(xi, xi, lz[i], coef[i], g[r], alpha)
         else:
-            _exp_row(xi, xi, lz[i], coef[i])
+            exp_row(xi, xi, lz[i], coef[i])
 
 
 def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torch.Tensor,
@@ -407,5 +409,5 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
         _exp_spread(out.detach().numpy(), x.detach().numpy(), *rest)
 
 
-__all__ = ["FASTMATH", "exp_spread_", "fast_exp", "fast_log", "first_argmax", "prefetch",
-           "row_exp_", "row_logsumexp"]
+__all__ = ["FASTMATH", "exp_row", "exp_row_plus", "exp_spread_", "fast_exp", "fast_log",
+           "first_argmax", "prefetch", "row_exp_", "row_logsumexp", "row_max", "zero_of"]

@@ -3,15 +3,17 @@ sorted uncommon remainders (ULD), from the block's summed logits / T and log-par
 
 raw = per chunk row, the summed logits / T [r, V_local] and summed TP-wide log-partitions [r].
 On CPU with one TP rank the forward KL's rows take :mod:`.gold_rows`' passes and the L1
-:mod:`.sorted_l1`'s sign runs (gradient written directly); elsewhere torch's operations under
-autograd. The other kernels are in :mod:`.kernels` and :mod:`.image_kernel`.
+:mod:`.sorted_l1`'s sign runs (gradient written directly); where the forward writes the
+gradient, a block goes from its logits to its gradient without raw sums (:mod:`.gold_block`);
+elsewhere torch's operations under autograd. The other kernels are in :mod:`.kernels` and
+:mod:`.image_kernel`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import cpu_rows, gold_rows, sorted_l1
+from . import cpu_rows, gold_block, gold_rows, sorted_l1
 from .block_data import BlockData, Raw, row_table, rows_of, with_zero_row
 from .collectives import Group, all_reduce, group_size, replicated_gather, replicated_sum
 from .formulas import divergence
@@ -128,6 +130,28 @@ class GoldKernel:
         kl, agree, a_unc, runs, table, b_keys = self._rows_kl(raw, keys, counts)
         return kl, agree, self._rows_grad(x, counts, weight, a_unc, runs, table, b_keys)
 
+    def fuses_block(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`forward_from_logits` takes a block with logits / T ``x``: where
+        :mod:`.gold_rows`' passes run (CPU, one TP rank, forward KL)."""
+        return self._by_rows(x)
+
+    def forward_from_logits(self, blk: BlockData, keys: torch.Tensor, counts: torch.Tensor,
+                            weight: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor, gold_block.GoldRowsGrad]:
+        """(:meth:`kl`, top-1, the raw gradient to spread) of a block whose chunk rows are all
+        held whole here, straight from its logits (:func:`.gold_block.forward_block`): each
+        position's log-partition is written into ``blk.lz_local`` (one TP rank: the TP-wide
+        one) and no [rows, V] raw sums are made. For a forward that writes the gradient
+        (:meth:`backward_block` spreads it): the sign runs are not kept for a recompute."""
+        x = blk.x
+        table, b_keys = row_table(self.payload.logprobs, keys, x.dtype)
+        a_unc, checksum, kl, agree = gold_block.forward_block(
+            x, blk.seg, blk.num_rows, counts, self.col_common, self.col_uncommon, table, b_keys,
+            blk.lz_local)
+        runs = sorted_l1.sign_runs(a_unc, self._teacher_sorted(keys), checksum=checksum)
+        scale = weight.to(x.dtype).expand(blk.num_rows) / counts.to(x.dtype)
+        return kl + runs.value, agree, gold_block.GoldRowsGrad(a_unc, runs, table, b_keys, scale)
+
     def _rows_kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor):
         """:mod:`.gold_rows`' forward pass and the L1's sign runs (kept for a backward): (KL,
         student / teacher argmax agreement, the uncommon means, the runs, the teacher's
@@ -214,8 +238,12 @@ class GoldKernel:
         table, b_keys = row_table(self.payload.logprobs, keys, x.dtype)
         return self._rows_grad(x, counts, weight, a_unc, runs, table, b_keys)
 
-    def backward_block(self, blk: BlockData, grad: Raw, inv_t: float, coef: torch.Tensor,
-                       out: torch.Tensor) -> None:
+    def backward_block(self, blk: BlockData, grad: Raw | gold_block.GoldRowsGrad, inv_t: float,
+                       coef: torch.Tensor, out: torch.Tensor) -> None:
+        if isinstance(grad, gold_block.GoldRowsGrad):  # from forward_from_logits (one TP rank)
+            gold_block.spread_block(out, blk.x, blk.lz_local, coef, blk.seg, grad,
+                                    self.col_common, self.col_uncommon, inv_t)
+            return
         seg = blk.seg_dummy
         # lz (the TP-wide log-partition) feeds every rank's columns: sum their gradients.
         g_lz = grad["lz"]

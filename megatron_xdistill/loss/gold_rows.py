@@ -49,18 +49,51 @@ def _means_rows(x, lz, counts, cols, out, checksum):  # pragma: no cover - numba
         checksum[r] = _means_row(x[r], lz[r], counts[r], cols, out[r])
 
 
+@njit(inline="always", fastmath=_FAST)
+def forward_row(xr, z, c, col_common, col_uncommon, br, a_unc, work):  # pragma: no cover
+    """One chunk row of :func:`forward_rows` (summed logits ``xr`` [V], log-partition sum
+    ``z``, ``c`` positions, the teacher's log-probs ``br`` on the common columns): writes the
+    uncommon means into ``a_unc``; returns (their fp64 sum, the common part's KL, whether
+    the argmaxes agree). ``work``: |C| scratch (the common means)."""
+    checksum = _means_row(xr, z, c, col_uncommon, a_unc)
+    _means_row(xr, z, c, col_common, work)
+    total = 0.0
+    for i in range(work.shape[0]):
+        total += fast_exp(br[i]) * (br[i] - work[i])
+    agree = work.shape[0] > 0 and first_argmax(work) == first_argmax(br)
+    return checksum, total, agree
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=_FAST)
 def _forward_rows(x, lz, counts, col_common, col_uncommon, b, b_keys, a_unc, checksum, kl,
                   agree, work):  # pragma: no cover - numba
     for r in prange(x.shape[0]):
-        xr, z, c, br, a = x[r], lz[r], counts[r], b[b_keys[r]], work[r]
-        checksum[r] = _means_row(xr, z, c, col_uncommon, a_unc[r])
-        _means_row(xr, z, c, col_common, a)
-        total = 0.0
-        for i in range(a.shape[0]):
-            total += fast_exp(br[i]) * (br[i] - a[i])
-        kl[r] = total
-        agree[r] = a.shape[0] > 0 and first_argmax(a) == first_argmax(br)
+        checksum[r], kl[r], agree[r] = forward_row(x[r], lz[r], counts[r], col_common,
+                                                   col_uncommon, b[b_keys[r]], a_unc[r],
+                                                   work[r])
+
+
+@njit(inline="always", fastmath=_FAST)
+def gradient_row(ar, r, w, br, col_common, col_uncommon, threshold, starts, signs, tie_values,
+                 tie_signs, gr, slopes, e):  # pragma: no cover - numba
+    """One chunk row of :func:`gradient_rows` (uncommon means ``ar``, row ``r`` of the sign
+    runs, weight / count ``w``, the teacher's log-probs ``br``): writes the gradient on the
+    summed logits into ``gr`` [V] (vocabulary order); returns the one on the log-partition
+    sum. ``slopes`` [|U|], ``e`` [max(|U|, |C|)]: scratch."""
+    for j in range(ar.shape[0]):
+        e[j] = fast_exp(ar[j])
+    row_slopes(ar, e, r, threshold, starts, signs, tie_values, tie_signs, slopes)
+    mass = 0.0
+    for i in range(br.shape[0]):  # e now takes the teacher's p (vectorised; the scatter
+        e[i] = fast_exp(br[i])    # below is not)
+        mass += e[i]
+    for j in range(slopes.shape[0]):
+        mass -= slopes[j]
+    for i in range(br.shape[0]):
+        gr[col_common[i]] = -e[i] * w
+    for j in range(slopes.shape[0]):
+        gr[col_uncommon[j]] = slopes[j] * w
+    return w * mass
 
 
 @njit(parallel=True, cache=True, nogil=True, fastmath=_FAST)
@@ -68,22 +101,9 @@ def _gradient_rows(a_unc, col_common, col_uncommon, b, b_keys, scale, threshold,
                    signs, tie_values, tie_signs, g, g_lz, work, e_work
                    ):  # pragma: no cover - numba
     for r in prange(a_unc.shape[0]):
-        w, gr, br, ar = scale[r], g[r], b[b_keys[r]], a_unc[r]
-        slopes, e = work[r], e_work[r]
-        for j in range(ar.shape[0]):
-            e[j] = fast_exp(ar[j])
-        row_slopes(ar, e, r, threshold, starts, signs, tie_values, tie_signs, slopes)
-        mass = 0.0
-        for i in range(br.shape[0]):  # e now takes the teacher's p (vectorised; the scatter
-            e[i] = fast_exp(br[i])    # below is not)
-            mass += e[i]
-        for j in range(slopes.shape[0]):
-            mass -= slopes[j]
-        for i in range(br.shape[0]):
-            gr[col_common[i]] = -e[i] * w
-        for j in range(slopes.shape[0]):
-            gr[col_uncommon[j]] = slopes[j] * w
-        g_lz[r] = w * mass
+        g_lz[r] = gradient_row(a_unc[r], r, scale[r], b[b_keys[r]], col_common, col_uncommon,
+                               threshold, starts, signs, tie_values, tie_signs, g[r], work[r],
+                               e_work[r])
 
 
 def _arrays(*tensors: torch.Tensor):
@@ -147,4 +167,4 @@ def gradient_rows(a_unc: torch.Tensor, runs: SignRuns, col_common: torch.Tensor,
     return g, g_lz
 
 
-__all__ = ["forward_rows", "gradient_rows", "uncommon_means"]
+__all__ = ["forward_row", "forward_rows", "gradient_row", "gradient_rows", "uncommon_means"]

@@ -33,6 +33,7 @@ from numba import njit, prange
 
 from .numba_cpu import numba_takes, use_torch_threads
 from .sorted_top import top_values
+from .workspace import scratch
 
 #: Run starts a row that the memo keeps (a median of 2 on a real pair, at most 37 seen).
 _MEMO_STARTS = 12
@@ -112,9 +113,15 @@ class RunMemo:
                         tie_values[:, :s], tie_signs[:, :s], checksum)
 
 
-def _top_values(a: np.ndarray, n: int) -> np.ndarray:
-    """The n largest of each row, descending (:func:`.sorted_top.top_values`' radix select)."""
-    return top_values(a, n)[0]
+def _top_values(a: np.ndarray, n: int, out: np.ndarray) -> None:
+    """The n largest of each row, descending, into ``out`` (:func:`.sorted_top.top_values`'
+    radix select)."""
+    top_values(a, n, out=out)
+
+
+def _scratch(name: str, like: torch.Tensor) -> torch.Tensor:
+    """A [rows, n] scratch buffer shaped and typed as ``like`` (contents undefined)."""
+    return scratch("sorted_l1_" + name, like.numel(), like.device, like.dtype).view(like.shape)
 
 
 @njit(cache=True, nogil=True)
@@ -143,7 +150,7 @@ def _tie_group(top, sign, a, r, v, threshold, tie_values, tie_signs, count
     return count + 1
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, fastmath={"reassoc"})
 def _run_rows(top, d, a, value, sign, starts, signs, num_starts, tie_values, tie_signs,
               num_ties):  # pragma: no cover - numba
     """Per row of ``d`` = exp(top) - t: the L1 value (fp64 sum), where runs of equal sign
@@ -196,9 +203,11 @@ def _sign_runs(top: torch.Tensor, t: torch.Tensor, a: torch.Tensor, checksum: to
     torch's exp."""
     top = top.contiguous()
     rows, n = top.shape
-    d = top.exp().sub_(t)
+    d = torch.exp(top, out=_scratch("d", top)).sub_(t)
     value = torch.empty(rows, dtype=torch.float64)
-    sign, starts, signs, tie_values, tie_signs = (top.new_empty(rows, n) for _ in range(5))
+    # the [rows, n] temporaries in scratch buffers, as the sort's (see sorted_top._top_rows)
+    sign, starts, signs, tie_values, tie_signs = (
+        _scratch(name, top) for name in ("sign", "starts", "signs", "tie_values", "tie_signs"))
     num_starts = torch.empty(rows, dtype=torch.int64)
     num_ties = torch.empty(rows, dtype=torch.int64)
     use_torch_threads()
@@ -263,7 +272,9 @@ def _runs_of(a: torch.Tensor, t: torch.Tensor, memo: RunMemo | None,
         checksum = a.sum(1, dtype=torch.float64)
     runs = memo.take(keys, checksum, a) if memo is not None else None
     if runs is None:
-        top = torch.from_numpy(_top_values(a.detach().numpy(), t.shape[1]))
+        top = scratch("sorted_l1_top", a.shape[0] * t.shape[1], a.device, a.dtype)
+        top = top.view(a.shape[0], t.shape[1])
+        _top_values(a.detach().numpy(), t.shape[1], top.numpy())
         runs = _sign_runs(top, t, a, checksum)
         if memo is not None and keep:
             memo.put(keys, runs)

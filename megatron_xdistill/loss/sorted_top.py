@@ -16,6 +16,7 @@ the columns. Other devices keep ``torch.topk``.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -55,11 +56,11 @@ def _bit_length(x):  # pragma: no cover - numba
 
 
 @njit(inline="always")
-def _radix_sort(keys, cols, tmp_keys, tmp_cols, count, bits, with_cols):  # pragma: no cover
+def _radix_sort(keys, cols, tmp_keys, tmp_cols, count, bits, with_cols, hist
+                ):  # pragma: no cover - numba
     """Sort ``keys[:count]`` ascending (``cols`` along when ``with_cols``), ``bits`` wide, by
-    LSD passes; returns the arrays that hold the result."""
+    LSD passes (``hist``: [_BINS] scratch); returns the arrays that hold the result."""
     mask = np.uint64(_BINS - 1)
-    hist = np.empty(_BINS, np.int64)
     for p in range((bits + _DIGIT - 1) // _DIGIT):
         shift = np.uint64(p * _DIGIT)
         hist[:] = 0
@@ -81,56 +82,71 @@ def _radix_sort(keys, cols, tmp_keys, tmp_cols, count, bits, with_cols):  # prag
     return keys, cols
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def _top_rows(bits, n, width, out_bits, out_cols):  # pragma: no cover - numba
+@njit(cache=True, nogil=True)
+def _top_row(bits, r, n, width, out_bits, out_cols, keys, cand, cols, tmp, tmp_cols, hist
+             ):  # pragma: no cover - numba
     """out_bits[r] = the n largest of row r (IEEE bits, ``width`` 32 / 64), descending; their
-    columns to ``out_cols`` unless it has no columns."""
-    rows, m = bits.shape
+    columns to ``out_cols`` unless it has no columns. The rest: the thread's scratch."""
+    m = bits.shape[1]
     with_cols = out_cols.shape[1] > 0
-    for r in prange(rows):
-        keys = np.empty(m, np.uint64)
-        low, high = np.uint64(_ONES64), np.uint64(0)
-        for i in range(m):
-            k = _key(np.uint64(bits[r, i]), width)
-            keys[i] = k
-            low, high = min(low, k), max(high, k)
-        shift = np.uint64(max(_bit_length(high - low) - _DIGIT, 0))
-        hist = np.zeros(_BINS, np.int64)
-        for i in range(m):
-            hist[(keys[i] - low) >> shift] += 1
-        b, count = _BINS - 1, hist[_BINS - 1]
-        while count < n:  # the bucket that holds the n-th largest
-            b -= 1
-            count += hist[b]
-        floor = low + (np.uint64(b) << shift)
-        cand = np.empty(m, np.uint64)  # keys at or above that bucket, relative to its floor
-        cols = np.empty(m if with_cols else 0, np.int64)
-        c = 0
-        for i in range(m):  # branch-free: a write per value, the count moves on the kept ones
-            k = keys[i]
-            cand[c] = k - floor
-            if with_cols:
-                cols[c] = i
-            c += k >= floor
-        tmp = np.empty(c, np.uint64)
-        tmp_cols = np.empty(c if with_cols else 0, np.int64)
-        cand, cols = _radix_sort(cand, cols, tmp, tmp_cols, c, _bit_length(high - floor),
-                                 with_cols)
-        for j in range(n):
-            out_bits[r, j] = _unkey(cand[c - 1 - j] + floor, width)
-            if with_cols:
-                out_cols[r, j] = cols[c - 1 - j]
+    low, high = np.uint64(_ONES64), np.uint64(0)
+    for i in range(m):
+        k = _key(np.uint64(bits[r, i]), width)
+        keys[i] = k
+        low, high = min(low, k), max(high, k)
+    shift = np.uint64(max(_bit_length(high - low) - _DIGIT, 0))
+    hist[:] = 0
+    for i in range(m):
+        hist[(keys[i] - low) >> shift] += 1
+    b, count = _BINS - 1, hist[_BINS - 1]
+    while count < n:  # the bucket that holds the n-th largest
+        b -= 1
+        count += hist[b]
+    floor = low + (np.uint64(b) << shift)
+    c = 0  # keys at or above that bucket, relative to its floor
+    for i in range(m):  # branch-free: a write per value, the count moves on the kept ones
+        k = keys[i]
+        cand[c] = k - floor
+        if with_cols:
+            cols[c] = i
+        c += k >= floor
+    out, out_c = _radix_sort(cand, cols, tmp, tmp_cols, c, _bit_length(high - floor),
+                             with_cols, hist)
+    for j in range(n):
+        out_bits[r, j] = _unkey(out[c - 1 - j] + floor, width)
+        if with_cols:
+            out_cols[r, j] = out_c[c - 1 - j]
 
 
-def top_values(a: np.ndarray, n: int, with_columns: bool = False
-               ) -> tuple[np.ndarray, np.ndarray | None]:
+@njit(parallel=True, cache=True, nogil=True)
+def _top_rows(bits, n, width, out_bits, out_cols, threads):  # pragma: no cover - numba
+    """:func:`_top_row` of every row, the rows split evenly over ``threads``; each thread's
+    scratch allocated once (a row's allocations churned the C heap: its trims and page faults
+    doubled the sort's time once nothing else kept the heap grown)."""
+    rows, m = bits.shape
+    mc = m if out_cols.shape[1] > 0 else 0
+    for t in prange(threads):
+        keys, cand, tmp = (np.empty(m, np.uint64), np.empty(m, np.uint64),
+                           np.empty(m, np.uint64))
+        cols, tmp_cols = np.empty(mc, np.int64), np.empty(mc, np.int64)
+        hist = np.empty(_BINS, np.int64)
+        for r in range(rows * t // threads, rows * (t + 1) // threads):
+            _top_row(bits, r, n, width, out_bits, out_cols, keys, cand, cols, tmp, tmp_cols,
+                     hist)
+
+
+def top_values(a: np.ndarray, n: int, with_columns: bool = False,
+               out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """(the ``n`` largest values of each row of ``a`` [r, m] (float32 / float64, 1 <= n <= m),
-    descending; their columns [r, n] int64 or None). Equal values come in any order."""
+    descending; their columns [r, n] int64 or None). Equal values come in any order.
+    ``out``: where the values go ([r, n], a's dtype, C-contiguous), else a new array."""
     uint = {np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}[a.dtype]
-    values = np.empty((a.shape[0], n), a.dtype)
+    values = np.empty((a.shape[0], n), a.dtype) if out is None else out
     cols = np.empty((a.shape[0], n if with_columns else 0), np.int64)
     use_torch_threads()
-    _top_rows(np.ascontiguousarray(a).view(uint), n, 8 * a.itemsize, values.view(uint), cols)
+    threads = max(1, min(numba.get_num_threads(), a.shape[0]))
+    _top_rows(np.ascontiguousarray(a).view(uint), n, 8 * a.itemsize, values.view(uint), cols,
+              threads)
     return values, (cols if with_columns else None)
 
 

@@ -181,6 +181,9 @@ class StudentLossPlan(BlockGradients):
                 lz_local = self._partition_fused(x, blk.start, blk.end)
             elif self.logits_only:  # logits / T and their log-partitions; no softmax
                 x, probs = self._x(logits2d, blk.start, blk.end), None
+                if self._from_logits(x, blk, index):
+                    self._forward_from_logits(logits2d, x, blk, index, block_sums[index])
+                    continue
                 lz_local = self._partition_logits(x, logits2d, blk.start, blk.end)
             else:
                 x = self._x(logits2d, blk.start, blk.end)
@@ -264,6 +267,30 @@ class StudentLossPlan(BlockGradients):
             lz1.copy_(cpu_rows.row_logsumexp(self._x(logits2d, start, end, unscaled=True)))
         self._reduce_partition(lz_local, lz1, None, start, end)
         return lz_local
+
+    def _from_logits(self, x: torch.Tensor, blk, index: int) -> bool:
+        """Whether the kernel makes block ``blk``'s log-partitions, KL and raw gradient from
+        its logits in one pass (gold on CPU: :meth:`.GoldKernel.forward_from_logits`): a
+        forward that writes the gradient, one TP rank (the shard's log-partitions are the
+        TP-wide ones), no second softmax for CE, every row of the block held whole."""
+        fuses = getattr(self.kernel, "fuses_block", None)
+        return (fuses is not None and self.grad_now and self.single and not self._ce_extra
+                and self.extra is None and blk.row_end > blk.row_start
+                and self.rows.all_local(index) and fuses(x))
+
+    def _forward_from_logits(self, logits2d: torch.Tensor, x: torch.Tensor, blk, index: int,
+                             sums: torch.Tensor) -> None:
+        """Block ``blk`` by :meth:`_from_logits`' one pass: its (KL sum, top-1 matches) into
+        ``sums``, its log-partitions saved, its gradient written (``_grad_now``)."""
+        rows = self.rows
+        lz_local = self.lz_local[blk.start: blk.end]  # written by the kernel
+        data = self._block(x, None, lz_local, blk, index)
+        kl, t1, raw_grad = self.kernel.forward_from_logits(
+            data, rows.keys[blk.row_start: blk.row_end], rows.count[blk.row_start: blk.row_end],
+            self.grad_kd_t2)
+        torch.sum(kl, 0, dtype=torch.float64, out=sums[0])
+        torch.sum(t1, 0, dtype=torch.float64, out=sums[1])
+        self._grad_now(logits2d, blk, index, x, None, None, raw_grad)
 
     def _partition_fused(self, z: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """:meth:`_partition` from the logits ``z`` in one fused pass (two with CE at T != 1):
