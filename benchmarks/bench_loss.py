@@ -102,6 +102,17 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   pages, 0.13 s on touched ones. With THP_MEM_ALLOC_ENABLE=1 (torch's huge pages for large CPU
   buffers) it takes 0.19 s, but Megatron's CE gains as much (0.79 -> 0.56-0.61 s), so the
   ratio does not.
+  Then training's call (the loss's weights given ahead) takes a block from its logits to its
+  gradient in two passes (``loss/gold_block.py``, 212668a): per chunk row its positions'
+  log-partitions and summed logits in a buffer of the thread's, then the row's means, KL and
+  argmax from it; after the sort, each row's raw gradient made in that buffer and spread
+  over its positions as they are written. No [rows, V] raw sums or raw gradient. 16k tokens,
+  V_s 49,152, the real W, 1 thread, an AMD EPYC (CE 7.5 s), runs alternated: 6d25521 4.97 /
+  5.14 s, 212668a 4.34 / 4.72 s; extra memory 0.12-0.14 -> 0.07 GiB. In-process (the 2nd and
+  3rd call): 5.25 -> 4.35 s; the block pass 1.6 s (log-partitions 0.44, the rows' gathers
+  and KL 0.58), the sort 0.74, the sign runs 0.26, the spread 1.25. On the way: with the raw
+  sums gone, the sort's per-row allocations (now once per thread) churned glibc's heap, its
+  trims and page faults taking the sign runs from 1.2 to 2.5-3.0 s.
 
 The exact form with its per-row teacher work in few vectorised passes (``loss/exact_rows.py``:
 the teacher-only terms by one torch exp and one Numba pass per few rows, was seven torch passes;

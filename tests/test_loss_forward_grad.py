@@ -91,14 +91,27 @@ def test_topk_forms_forward_gradient_equals_the_default_call(form, with_ce):
     torch.testing.assert_close(grad, grad0, rtol=1e-6, atol=1e-7)
 
 
-def test_sample_weights_forward_gradient_equals_the_default_call():
+@pytest.mark.parametrize("mode,form", [("pkl", "full"), ("gold", "gold")])
+def test_sample_weights_forward_gradient_equals_the_default_call(monkeypatch, mode, form):
+    """Per-sample weights in the forward-written call (gold: its pass from the logits, which
+    must weight each row too) give the recomputing call's loss and gradient."""
+    from megatron_xdistill.loss import gold_block
+
+    fused = []
+    real = gold_block.forward_block
+    monkeypatch.setattr(gold_block, "forward_block",
+                        lambda *a, **k: fused.append(1) or real(*a, **k))
     case = _case()
-    weights = torch.tensor([0.5, 2.0, 1.0])
-    _, grad = _grad(case, "pkl", "full", 1.0, True, True, weighted=True,
-                    sample_weights=weights)
-    _, grad0 = _grad(case, "pkl", "full", 1.0, True, False, weighted=False,
-                     sample_weights=weights)
+    weights = torch.tensor([0.5, 2.0, 0.0])
+    loss, grad = _grad(case, mode, form, 1.0, True, True, weighted=True,
+                       sample_weights=weights)
+    assert bool(fused) == (mode == "gold")
+    loss0, grad0 = _grad(case, mode, form, 1.0, True, False, weighted=False,
+                         sample_weights=weights)
+    assert loss == pytest.approx(loss0, rel=1e-6)
     torch.testing.assert_close(grad, grad0, rtol=1e-6, atol=1e-7)
+    _, unweighted = _grad(case, mode, form, 1.0, True, True, weighted=True)
+    assert not torch.allclose(grad, unweighted, rtol=1e-3, atol=1e-5)  # the weights count
 
 
 def test_raw_sums_are_made_once_per_block(monkeypatch):

@@ -142,6 +142,14 @@ class SampleWeighted:
         kl, t1, grad = out
         return kl * rows.to(kl.dtype), t1, grad
 
+    def forward_from_logits(self, blk, keys: torch.Tensor, counts: torch.Tensor,
+                            weight: torch.Tensor):
+        """The kernel's pass from a block's logits (:meth:`.GoldKernel.forward_from_logits`),
+        each row's KL and gradient weighted."""
+        rows = self._of_rows(keys, weight)
+        kl, t1, grad = self.kernel.forward_from_logits(blk, keys, counts, weight * rows)
+        return kl * rows.to(kl.dtype), t1, grad
+
     def raw_grad(self, raw, keys: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor):
         """The kernel's direct gradient (if it has one) with each row's weight scaled."""
         direct = getattr(self.kernel, "raw_grad", None)
