@@ -100,7 +100,10 @@ class BlockGradients:
                     f"{scale!r}): pass the weights the loss applies to the two sums, or none")
         grad = self.grad_full
         del self.grad_full
-        if scale != 1.0:
+        # A scale within the compute dtype's half-ulp of 1 (the upstream gradient 1 / n in
+        # fp32 against the weight 1 / n in fp64: 1 + 6e-8) changes no element by more than
+        # its rounding: a pass over [positions, V] saved (0.17 s at 16k x 49,152, one thread)
+        if abs(scale - 1.0) > torch.finfo(self.dtype).eps / 2:
             grad.mul_(scale)
         if self.into_logits:  # another autograd user of these logits now fails loudly
             torch.autograd.graph.increment_version(grad)  # (shares the logits' counter)
