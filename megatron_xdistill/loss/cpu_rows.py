@@ -225,18 +225,23 @@ def first_argmax(row):  # pragma: no cover - numba
     return 0
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def logsumexp_row(row, m):  # pragma: no cover - numba
+    """m + log(sum_v exp(row[v] - m)), ``m`` the row's maximum (-inf: a row of -inf, an
+    empty distribution, gives -inf)."""
+    if m == -math.inf:
+        return m
+    total = zero_of(m)  # in fp32 for fp32 rows: 16 partial sums, as torch's
+    for v in range(row.shape[0]):
+        total += fast_exp(row[v] - m)
+    return m + math.log(total)
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _logsumexp_rows(x, top, out):  # pragma: no cover - numba
     """out[i] = top[i] + log(sum_v exp(x[i, v] - top[i])), ``top`` the rows' maxima."""
     for i in prange(x.shape[0]):
-        row, m = x[i], top[i]
-        if m == -math.inf:  # all -inf: an empty distribution
-            out[i] = m
-            continue
-        total = zero_of(m)  # in fp32 for fp32 rows: 16 partial sums, as torch's
-        for v in range(row.shape[0]):
-            total += fast_exp(row[v] - m)
-        out[i] = m + math.log(total)
+        out[i] = logsumexp_row(x[i], top[i])
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
@@ -410,4 +415,5 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
 
 
 __all__ = ["FASTMATH", "exp_row", "exp_row_plus", "exp_spread_", "fast_exp", "fast_log",
-           "first_argmax", "prefetch", "row_exp_", "row_logsumexp", "row_max", "zero_of"]
+           "first_argmax", "logsumexp_row", "prefetch", "row_exp_", "row_logsumexp", "row_max",
+           "zero_of"]

@@ -21,15 +21,13 @@ stay for the other calls (the recomputing backward, CP-split chunks).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
-from .cpu_rows import FASTMATH, exp_row, exp_row_plus, fast_exp, row_max, zero_of
+from .cpu_rows import FASTMATH, exp_row, exp_row_plus, logsumexp_row, row_max
 from .gold_rows import forward_row, gradient_row
 from .numba_cpu import use_torch_threads
 from .sorted_l1 import SignRuns
@@ -51,15 +49,9 @@ class GoldRowsGrad:
 
 @njit(inline="always", fastmath=FASTMATH)
 def _logsumexp(row):  # pragma: no cover - numba
-    """max + log sum exp(row - max), as :func:`.cpu_rows.row_logsumexp` (-inf for a row of
-    -inf, NaN for a row with a NaN)."""
-    m = row_max(row)
-    if m == -math.inf:
-        return m
-    total = zero_of(m)  # in the rows' dtype: 16 partial sums, vectorised
-    for v in range(row.shape[0]):
-        total += fast_exp(row[v] - m)
-    return m + math.log(total)
+    """The row's log-partition, as :func:`.cpu_rows.row_logsumexp` (-inf for a row of -inf,
+    NaN for a row with a NaN)."""
+    return logsumexp_row(row, row_max(row))
 
 
 @njit(cache=True, nogil=True)
@@ -104,11 +96,6 @@ def _forward_block(x, seg, counts, col_common, col_uncommon, b, b_keys, lz, a_un
         lz[p] = _logsumexp(x[p])
 
 
-def _threads() -> int:
-    use_torch_threads()
-    return numba.get_num_threads()
-
-
 def _block_layout(n: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(each row's first position, its end, the positions of no row) buffers of a block of
     ``n`` positions and ``rows`` rows (:func:`_row_runs`)."""
@@ -126,7 +113,7 @@ def forward_block(x: torch.Tensor, seg: torch.Tensor, num_rows: int, counts: tor
     ``lz_out`` [n]. ``counts``: each row's positions (all in this block)."""
     n, width = x.shape
     dt = x.dtype
-    threads = _threads()
+    threads = use_torch_threads()
     a_unc = x.new_empty(num_rows, col_uncommon.numel())
     checksum = torch.empty(num_rows, dtype=torch.float64)
     kl = torch.empty(num_rows, dtype=torch.float64)
@@ -179,7 +166,7 @@ def spread_block(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: tor
     goes. ``out`` is ``x`` (written over) or does not overlap it; CPU, unit-stride rows."""
     n, width = x.shape
     dt = x.dtype
-    threads = _threads()
+    threads = use_torch_threads()
     a = grad.a_unc
     same = (out.data_ptr() == x.data_ptr() and out.shape == x.shape
             and out.stride() == x.stride())

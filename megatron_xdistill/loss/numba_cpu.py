@@ -16,9 +16,12 @@ if "NUMBA_THREADING_LAYER" not in os.environ:
     numba.config.THREADING_LAYER = "workqueue"
 
 
-def use_torch_threads() -> None:
-    """Numba's parallel loops take as many threads as torch (one per rank on a shared CPU)."""
-    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+def use_torch_threads() -> int:
+    """Numba's parallel loops take as many threads as torch (one per rank on a shared CPU);
+    returns that number (for loops that split their rows over the threads themselves)."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
 
 
 def numba_takes(t: torch.Tensor) -> bool:

@@ -16,7 +16,6 @@ the columns. Other devices keep ``torch.topk``.
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -143,8 +142,7 @@ def top_values(a: np.ndarray, n: int, with_columns: bool = False,
     uint = {np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}[a.dtype]
     values = np.empty((a.shape[0], n), a.dtype) if out is None else out
     cols = np.empty((a.shape[0], n if with_columns else 0), np.int64)
-    use_torch_threads()
-    threads = max(1, min(numba.get_num_threads(), a.shape[0]))
+    threads = max(1, min(use_torch_threads(), a.shape[0]))
     _top_rows(np.ascontiguousarray(a).view(uint), n, 8 * a.itemsize, values.view(uint), cols,
               threads)
     return values, (cols if with_columns else None)
