@@ -14,6 +14,7 @@ from .chunks import Alignment
 from .dp_aligner import align_sides, check_dp_options
 from .offset_aligner import align_offsets
 from .sides import Side, make_side
+from .tokenizer_cache import auto_tokenizer
 
 __all__ = ["TokenAligner", "align_ids", "align_text", "align_texts", "check_texts", "load_tokenizer"]
 
@@ -30,10 +31,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
             f"{str(path)!r} holds no tokenizer.json / tokenizer_config.json (expected a Hugging "
             "Face tokenizer directory)"
         )
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        tok = auto_tokenizer(p, local_files_only=True)
     except Exception as e:  # transformers raises many types; name the directory
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
     if not getattr(tok, "is_fast", False):
