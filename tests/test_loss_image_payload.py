@@ -18,6 +18,7 @@ from megatron_xdistill.loss import (
     PayloadSpec,
     TeacherPayload,
     exact_rows,
+    image_kernel,
     image_rows,
     parallel_kd_loss,
     payload_spec,
@@ -146,6 +147,7 @@ def _without_numba(monkeypatch) -> None:
     from megatron_xdistill.loss.image_projection import ImageProjection
 
     monkeypatch.setattr(image_rows, "numba_takes", lambda t: False)
+    monkeypatch.setattr(image_kernel, "numba_takes", lambda t: False)
     monkeypatch.setattr(ImageProjection, "_numba", staticmethod(lambda t: False))
     monkeypatch.setattr(student_plan, "numba_takes", lambda t: False)
 
@@ -176,6 +178,7 @@ def test_the_image_rows_pass_equals_the_full_rows_pass(monkeypatch, dtype, path)
     probs = lp[:, image].exp()
     if path == "torch":
         monkeypatch.setattr(image_rows, "numba_takes", lambda t: False)
+    monkeypatch.setattr(image_kernel, "numba_takes", lambda t: False)
     on, at_on, g_on = image_rows.image_kl_on_image(u, probs, keys, weight)
     every = lp.double()
     p = every.exp()
@@ -203,3 +206,93 @@ def test_training_ships_the_image_form_for_the_exact_loss():
     matrix = ProjectionMatrix(indices, weights, 4, 12)
     assert payload_columns("image", matrix, "pkl").tolist() == [2, 7, 11]
     assert payload_columns("chunk_topk", matrix, "pkl") is None
+
+
+@pytest.mark.parametrize("temperature,with_ce,threads,into,lift",
+                         [(1.0, True, 1, True, 0.0), (2.0, False, 2, False, 0.0),
+                          (1.0, False, 2, True, 100.0)])
+def test_image_from_logits_path_matches_reference(monkeypatch, temperature, with_ce, threads,
+                                                  into, lift):
+    """The image form on CPU with one TP rank and the loss's weights given ahead: each block
+    with chunk rows goes from its logits to its gradient a chunk row at a time
+    (``loss/image_block.py``; no raw sums, no [rows, |I|] products). The float64 reference's
+    loss and gradient; positions of no chunk row among the blocks, the rows split over the
+    threads, the logits' gradient written over them or into a buffer of its own; ``lift``:
+    logits 100 nats higher past column 256 (the exp pass moves its shift up)."""
+    from megatron_xdistill.loss import image_block, kernels
+
+    case = _case()
+    assert bool((predicting_chunk_id(case.student_chunk_id) < 0).any())  # orphan positions
+    case.student_logits[..., 256: case.vs] += lift
+    payload = _payload(case, "image", temperature)
+    with torch.no_grad():
+        first = _loss(case, payload, case.student_logits.float().clone(), with_ce, None,
+                      temperature=temperature)
+    n_kd, n_ce = float(first.kd_count), max(float(first.ce_count), 1.0)
+    calls = []
+    real = image_block.image_block
+    monkeypatch.setattr(image_block, "image_block",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(kernels.DenseKernel, "raw",
+                        lambda self, blk: pytest.fail("raw sums made on the row path"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        logits = case.student_logits.float().clone().requires_grad_(True)
+        terms = _loss(case, payload, logits, with_ce, (1.0 / n_kd, 1.0 / n_ce),
+                      temperature=temperature, grad_into_logits=into)
+        loss = terms.kd_sum / n_kd + terms.ce_sum / n_ce
+        loss.backward()
+    finally:
+        torch.set_num_threads(before)
+    ref, ref_grad = case.reference_loss("pkl", temperature, with_ce)
+    _assert_reference(case, loss.item(), logits.grad, ref, ref_grad)
+    assert len(calls) > 2
+
+
+def test_row_layout_is_the_projection_on_its_image():
+    """:class:`image_block.RowLayout` (one-entry weight-1 rows as a column each, the others
+    by their entries) holds exactly W on I, for a W with every kind of row."""
+    from megatron_xdistill.loss.image_block import RowLayout
+
+    gen = torch.Generator().manual_seed(3)
+    vs, width = 40, 25
+    dense = torch.zeros(vs, width)
+    for s in range(vs):
+        kind = s % 4  # empty, one entry of weight 1, one of another weight, several
+        cols = torch.randperm(width, generator=gen)[: (0, 1, 1, 3)[kind]]
+        dense[s, cols] = 1.0 if kind == 1 else torch.rand(cols.numel(), generator=gen) + 0.1
+    crow = torch.zeros(vs + 1, dtype=torch.int64)
+    crow[1:] = torch.cumsum((dense > 0).sum(1), 0)
+    rows, col = torch.nonzero(dense, as_tuple=True)
+    layout = RowLayout.of(crow, col, dense[rows, col], width, torch.float64)
+    rebuilt = torch.zeros(vs, width + 1, dtype=torch.float64)
+    one = layout.single < width
+    rebuilt[torch.nonzero(one, as_tuple=True)[0], layout.single[one].long()] = 1.0
+    assert not bool(one[layout.multi_row.long()].any())
+    rebuilt[layout.multi_row.long(), layout.multi_col.long()] = layout.multi_val
+    assert torch.equal(rebuilt[:, :width], dense.double())
+    assert int(one.sum()) == vs // 4
+
+
+def test_sample_weights_on_the_row_path_equal_the_recomputing_call(monkeypatch):
+    """Per-sample weights with the loss's weights given ahead (the row path, which must weight
+    each chunk row's KL and gradient) give the recomputing call's loss and gradient."""
+    from megatron_xdistill.loss import image_block
+
+    case = _case()
+    payload = _payload(case, "image")
+    weights = torch.tensor([0.5, 2.0, 0.0])
+    taken = []
+    real = image_block.image_block
+    monkeypatch.setattr(image_block, "image_block",
+                        lambda *a, **k: taken.append(1) or real(*a, **k))
+    loss, grad = _loss_and_grad(case, payload, True, True, sample_weights=weights)
+    assert taken
+    taken.clear()
+    loss0, grad0 = _loss_and_grad(case, payload, True, False, sample_weights=weights)
+    assert not taken
+    assert loss == pytest.approx(loss0, rel=1e-6)
+    torch.testing.assert_close(grad, grad0, rtol=1e-5, atol=1e-7)
+    _, unweighted = _loss_and_grad(case, payload, True, True)
+    assert not torch.allclose(grad, unweighted, rtol=1e-3, atol=1e-5)  # the weights count

@@ -63,13 +63,15 @@ class BlockGradients:
 
     def _grad_now(self, logits2d: torch.Tensor, blk, index: int, x: torch.Tensor,
                   probs: torch.Tensor | None, raw: Raw | None,
-                  raw_grad: Raw | None = None) -> None:
+                  raw_grad: Raw | None = None, kernel_pass=None) -> None:
         """Block ``blk``'s gradient of a * kd + b * ce, written by the forward right after its
         sums: its softmax (``probs``, written over), raw sums and (where the kernel made it
-        with the KL) their gradient are at hand, so nothing is recomputed."""
+        with the KL) their gradient are at hand, so nothing is recomputed. ``kernel_pass``:
+        (inv_t, coef, dx) -> None writes the kernel's part in place of its backward (a kernel
+        that makes the KL and the gradient together: ``_forward_from_logits``)."""
         grad = self.grad_full.view(-1, self.grad_full.shape[-1])
         self._write_block(grad, logits2d, blk, index, (None, None, self.grad_kd), self.grad_ce,
-                          x=x, probs=probs, raw=raw, raw_grad=raw_grad)
+                          x=x, probs=probs, raw=raw, raw_grad=raw_grad, kernel_pass=kernel_pass)
 
     def scaled_forward_grad(self, g_kd: torch.Tensor | None, g_ce: torch.Tensor | None
                             ) -> torch.Tensor:
@@ -183,7 +185,8 @@ class BlockGradients:
 
     def _write_block(self, grad: torch.Tensor, logits2d: torch.Tensor, blk, index: int, grads,
                      ce, x: torch.Tensor | None = None, probs: torch.Tensor | None = None,
-                     raw: Raw | None = None, raw_grad: Raw | None = None) -> None:
+                     raw: Raw | None = None, raw_grad: Raw | None = None,
+                     kernel_pass=None) -> None:
         """Block ``blk``'s gradient into its rows of ``grad`` [positions, V_local]. From the
         forward (``_grad_now``): its ``x``, softmax ``probs`` (written over) and raw sums, so
         nothing is recomputed; from the backward: all recomputed."""
@@ -215,13 +218,14 @@ class BlockGradients:
         else:
             dx = self._workspace(n, out, "dx")
         self._block_backward(dx, *args, x=x, softmax_ready=probs is not None,
-                             known=(raw, raw_grad))
+                             known=(raw, raw_grad), kernel_pass=kernel_pass)
         if dx.data_ptr() != out.data_ptr():  # (the forward's softmax may be in ``out``)
             out.copy_(dx)
 
     def _block_backward(self, dx, logits2d, blk, index: int, coef, grads, ce_scale, ce_label,
                         x: torch.Tensor | None = None, softmax_ready: bool = False,
-                        known: tuple[Raw | None, Raw | None] = (None, None)) -> None:
+                        known: tuple[Raw | None, Raw | None] = (None, None),
+                        kernel_pass=None) -> None:
         """A block's gradient into ``dx`` (contiguous, compute dtype): its softmax, then the
         kernel's and CE's terms in place (``logits_only``: written from the logits).
         ``softmax_ready``: dx holds the block's softmax already; ``x``, ``known``: the block's
@@ -230,7 +234,9 @@ class BlockGradients:
         if x is None:
             x = self._x(logits2d, blk.start, blk.end)
         if self.logits_only:  # the kernel writes dx from the logits (no softmax pass here)
-            if blk.row_end > blk.row_start:
+            if kernel_pass is not None:
+                kernel_pass(1.0 / self.temp, coef, dx)
+            elif blk.row_end > blk.row_start:
                 data = self._block(x, None, lz_local, blk, index)
                 self.kernel.backward_block(data, self._block_grad(data, *grads, blk, *known),
                                            1.0 / self.temp, coef, dx)

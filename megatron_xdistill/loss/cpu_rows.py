@@ -128,6 +128,20 @@ def zero_of(x):  # pragma: no cover - replaced by the overload inside Numba code
     return 0.0
 
 
+def cast_like(value, like):  # pragma: no cover - replaced by the overload inside Numba code
+    """``value`` in the type of ``like`` (float32 arithmetic stays float32)."""
+    return value
+
+
+@overload(cast_like)
+def _cast_like_type(value, like):
+    if like == types.float32:
+        return lambda value, like: np.float32(value)  # pragma: no cover - numba
+    if isinstance(like, types.Float):
+        return lambda value, like: float(value)  # pragma: no cover - numba
+    return None
+
+
 @overload(zero_of)
 def _zero_of_type(x):
     if x == types.float32:
@@ -285,39 +299,48 @@ def _rescale(o, s):  # pragma: no cover - numba
         o[v] = o[v] * s  # in float64 (s is), one rounding into o's dtype
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def exp_sum_row(o, row, buf, same):  # pragma: no cover - numba
+    """o = exp(row - shift) and (shift, the sum of o in fp64 over :data:`_PART` pieces), in one
+    pass over the row: the shift is its first piece's maximum (the row's, where that piece is
+    all -inf), moved up to a later piece's maximum where that piece's sum of exps passes
+    :data:`_PIECE_LIMIT` (the pieces before it scaled by exp(old - new) in float64, the piece
+    taken again), so no pass of its own for the row's maximum. ``same``: o is row; each
+    piece's exps go to ``buf`` (an L1 buffer of :data:`_PART`), then over the piece (the row
+    is still there if the piece is taken again)."""
+    part_len = min(_PART, row.shape[0])
+    c = row_max(row[:part_len])
+    if c == -math.inf:
+        c = row_max(row)  # -inf still: a row of -inf, NaN as torch's softmax
+    row_total = 0.0
+    for v0 in range(0, row.shape[0], _PART):
+        xc = row[v0: v0 + _PART]
+        oc = buf[: xc.shape[0]] if same else o[v0: v0 + _PART]
+        part = _exp_sum_piece(oc, xc, c)
+        if part > _PIECE_LIMIT:  # a value > c + ~62 (inf: +inf or overflow; NaN: not)
+            top = row_max(xc)
+            s = math.exp(float(c) - float(top))
+            _rescale(o[:v0], s)
+            row_total *= s
+            c = top
+            part = _exp_sum_piece(oc, xc, c)
+        if same:
+            xc[:] = oc
+        row_total += part
+    return c, row_total
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _exp_sums(out, x, shift, total, same):  # pragma: no cover - numba
-    """out[i] = exp(x[i] - shift[i]), total[i] = its sum (fp64 over :data:`_PART` pieces),
-    in one pass over the row: shift[i] is its first piece's maximum (the row's, where that
-    piece is all -inf), moved up to a later piece's maximum where that piece's sum of exps
-    passes :data:`_PIECE_LIMIT` (the pieces before it scaled by exp(old - new) in float64,
-    the piece taken again), so no pass of its own for the row's maximum. ``same``: out is x;
-    each piece's exps go to an L1 buffer, then over the piece (x is still there if the piece
-    is taken again)."""
+    """out[i] = exp(x[i] - shift[i]), total[i] = its sum: :func:`exp_sum_row` a row."""
     part_len = min(_PART, x.shape[1])
     for i in prange(x.shape[0]):
         buf = np.empty(part_len, x.dtype)
         row = x[i]
-        c = row_max(row[:part_len])
-        if c == -math.inf:
-            c = row_max(row)  # -inf still: a row of -inf, NaN as torch's softmax
-        row_total = 0.0
-        for v0 in range(0, x.shape[1], _PART):
-            xc = row[v0: v0 + _PART]
-            o = buf[: xc.shape[0]] if same else out[i, v0: v0 + _PART]
-            part = _exp_sum_piece(o, xc, c)
-            if part > _PIECE_LIMIT:  # a value > c + ~62 (inf: +inf or overflow; NaN: not)
-                top = row_max(xc)
-                s = math.exp(float(c) - float(top))
-                _rescale(out[i, :v0], s)
-                row_total *= s
-                c = top
-                part = _exp_sum_piece(o, xc, c)
-            if same:
-                xc[:] = o
-            row_total += part
-        shift[i] = c
-        total[i] = row_total
+        if same:  # one array to LLVM
+            shift[i], total[i] = exp_sum_row(row, row, buf, True)
+        else:
+            shift[i], total[i] = exp_sum_row(out[i], row, buf, False)
 
 
 def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,6 +437,6 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
         _exp_spread(out.detach().numpy(), x.detach().numpy(), *rest)
 
 
-__all__ = ["FASTMATH", "exp_row", "exp_row_plus", "exp_spread_", "fast_exp", "fast_log",
-           "first_argmax", "logsumexp_row", "prefetch", "row_exp_", "row_logsumexp", "row_max",
+__all__ = ["FASTMATH", "cast_like", "exp_row", "exp_row_plus", "exp_spread_", "exp_sum_row", "fast_exp",
+           "fast_log", "first_argmax", "logsumexp_row", "prefetch", "row_exp_", "row_logsumexp", "row_max",
            "zero_of"]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from .block_runs import row_runs, run_buffers
 from .cpu_rows import FASTMATH, exp_row, exp_row_plus, logsumexp_row, row_max
 from .gold_rows import forward_row, gradient_row
 from .numba_cpu import use_torch_threads
@@ -54,28 +55,11 @@ def _logsumexp(row):  # pragma: no cover - numba
     return logsumexp_row(row, row_max(row))
 
 
-@njit(cache=True, nogil=True)
-def _row_runs(seg, first, end, orphans):  # pragma: no cover - numba
-    """Row r's positions are [first[r], end[r]) (one run: :mod:`.chunk_rows`); ``orphans``
-    takes the positions of no row. Returns the number of orphans."""
-    count = 0
-    for p in range(seg.shape[0]):
-        r = seg[p]
-        if r < 0:
-            orphans[count] = p
-            count += 1
-        else:
-            if p == 0 or seg[p - 1] != r:
-                first[r] = p
-            end[r] = p + 1
-    return count
-
-
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _forward_block(x, seg, counts, col_common, col_uncommon, b, b_keys, lz, a_unc, checksum,
                    kl, agree, sums, work, first, end, orphans):  # pragma: no cover
     rows, threads = a_unc.shape[0], sums.shape[0]
-    num_orphans = _row_runs(seg, first, end, orphans)
+    num_orphans = row_runs(seg, first, end, orphans)
     for t in prange(threads):
         buf, w = sums[t], work[t]
         for r in range(rows * t // threads, rows * (t + 1) // threads):
@@ -94,12 +78,6 @@ def _forward_block(x, seg, counts, col_common, col_uncommon, b, b_keys, lz, a_un
     for i in prange(num_orphans):
         p = orphans[i]
         lz[p] = _logsumexp(x[p])
-
-
-def _block_layout(n: int, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(each row's first position, its end, the positions of no row) buffers of a block of
-    ``n`` positions and ``rows`` rows (:func:`_row_runs`)."""
-    return np.empty(rows, np.int64), np.empty(rows, np.int64), np.empty(n, np.int64)
 
 
 def forward_block(x: torch.Tensor, seg: torch.Tensor, num_rows: int, counts: torch.Tensor,
@@ -124,7 +102,7 @@ def forward_block(x: torch.Tensor, seg: torch.Tensor, num_rows: int, counts: tor
         seg, counts.to(dt), col_common, col_uncommon, b_table, b_keys)]
     _forward_block(x.detach().numpy(), *arrays, lz_out.numpy(), a_unc.numpy(),
                    checksum.numpy(), kl.numpy(), agree.numpy(), sums.numpy(),
-                   work.view(threads, col_common.numel()).numpy(), *_block_layout(n, num_rows))
+                   work.view(threads, col_common.numel()).numpy(), *run_buffers(n, num_rows))
     return a_unc, checksum, kl.to(dt), agree
 
 
@@ -133,7 +111,7 @@ def _spread_block(out, x, same, lz, coef, seg, alpha, a_unc, col_common, col_unc
                   b_keys, scale, threshold, starts, signs, tie_values, tie_signs, grads,
                   slopes, e_work, g_lz, first, end, orphans):  # pragma: no cover - numba
     rows, threads = a_unc.shape[0], grads.shape[0]
-    num_orphans = _row_runs(seg, first, end, orphans)
+    num_orphans = row_runs(seg, first, end, orphans)
     for t in prange(threads):
         g = grads[t]
         for r in range(rows * t // threads, rows * (t + 1) // threads):
@@ -184,7 +162,7 @@ def spread_block(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: tor
                   out.detach().numpy().dtype.type(alpha), *rest, *grad.runs.lookup(dt),
                   grads.numpy(), slopes.view(threads, a.shape[1]).numpy(),
                   e_work.view(threads, e_width).numpy(), np.empty(a.shape[0], dt_np),
-                  *_block_layout(n, a.shape[0]))
+                  *run_buffers(n, a.shape[0]))
 
 
 __all__ = ["GoldRowsGrad", "forward_block", "spread_block"]

@@ -17,18 +17,23 @@ from __future__ import annotations
 
 import torch
 
-from . import image_rows
-from .collectives import Group
+from . import image_block, image_rows
+from .collectives import Group, group_size
 from .common import TINY
 from .formulas import teacher_only_terms
 from .image_projection import ImageProjection
 from .kernels import DenseKernel
+from .numba_cpu import numba_takes
 from .payload import TeacherPayload
 from .shard import ProjectionShard
 
 
 class ImageKernel(DenseKernel):
     """:class:`~.kernels.DenseKernel` over an ``image`` payload (see the module docstring)."""
+
+    #: a block taken from its logits (``fuses_block``) has its gradient written by the same
+    #: call that makes its KL (:meth:`block_from_logits`), not by ``backward_block``
+    writes_block_gradient = True
 
     def __init__(self, payload: TeacherPayload, shard: ProjectionShard, num_real: int,
                  beta: float, tp_group: Group, keys: torch.Tensor) -> None:
@@ -81,6 +86,28 @@ class ImageKernel(DenseKernel):
         """The gradient of :meth:`_exact`'s pass (its KL made too: a log an element, as the
         exp of a log-prob row's pass), copied out of the pass's reused buffer."""
         return image_rows.image_kl_on_image(u, self.probs, keys, weight)[2].clone()
+
+    def fuses_block(self, like: torch.Tensor) -> bool:
+        """Whether :meth:`block_from_logits` takes blocks of logits like ``like``: the forward
+        KL, one TP rank, CPU tensors Numba takes."""
+        return (self.beta == 0.0 and group_size(self.tp_group) == 1 and numba_takes(like)
+                and numba_takes(self.probs))
+
+    def block_from_logits(self, blk, keys: torch.Tensor, counts: torch.Tensor,
+                          weight: torch.Tensor, inv_t: float, coef: torch.Tensor,
+                          out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(:meth:`kl`, top-1) of a block whose chunk rows are all held whole here, with the
+        block's gradient written into ``out`` as they are made (:mod:`.image_block`: a chunk
+        row at a time from its positions' logits ``blk.x``): inv_t times that of
+        sum_r weight_r KL_r, plus ``coef * p``. Each position's log-partition goes into
+        ``blk.lz_local`` (one TP rank: the TP-wide one). For a forward that writes the
+        gradient; no [rows, |I|] or [positions, V] buffers."""
+        x = blk.x
+        cross, at = image_block.image_block(
+            out, x, blk.seg, blk.num_rows, self.proj.row_layout(x.dtype), self.proj.size,
+            self.probs, keys, weight, coef, inv_t, blk.lz_local)
+        kl = (cross + self._outside_terms().index_select(0, keys)).to(x.dtype)
+        return kl, self._top1(at, self.payload.teacher_argmax.reshape(-1).index_select(0, keys))
 
     def _direct(self, u: torch.Tensor) -> bool:
         """The forward KL takes :func:`.image_rows.image_kl_on_image` on every device (its

@@ -29,6 +29,7 @@ from numba import njit, prange
 from .block_data import with_zero_row
 from .collectives import Group, all_reduce
 from .cpu_rows import prefetch
+from .image_block import RowLayout
 from .numba_cpu import numba_takes, use_torch_threads
 from .shard import ProjectionShard
 from .workspace import scratch
@@ -270,6 +271,14 @@ class ImageProjection:
                 warnings.simplefilter("ignore", UserWarning)
                 self._matrices[key] = torch.sparse_csr_tensor(
                     parts[0], parts[1], parts[2].to(dtype), size=size, check_invariants=False)
+        return self._matrices[key]
+
+    def row_layout(self, dtype: torch.dtype) -> RowLayout:
+        """W on I by student rows as :mod:`.image_block`'s row pass reads it, built once per
+        dtype."""
+        key = ("rows", dtype)
+        if key not in self._matrices:
+            self._matrices[key] = RowLayout.of(self.crow, self.col, self.val, self.size, dtype)
         return self._matrices[key]
 
     def _weights(self, dtype: torch.dtype, by_column: bool = False) -> torch.Tensor:

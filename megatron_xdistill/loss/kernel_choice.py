@@ -150,6 +150,16 @@ class SampleWeighted:
         kl, t1, grad = self.kernel.forward_from_logits(blk, keys, counts, weight * rows)
         return kl * rows.to(kl.dtype), t1, grad
 
+    def block_from_logits(self, blk, keys: torch.Tensor, counts: torch.Tensor,
+                          weight: torch.Tensor, inv_t: float, coef: torch.Tensor,
+                          out: torch.Tensor):
+        """The kernel's pass that writes a block's gradient from its logits
+        (:meth:`.ImageKernel.block_from_logits`), each row's KL and gradient weighted."""
+        rows = self._of_rows(keys, weight)
+        kl, t1 = self.kernel.block_from_logits(blk, keys, counts, weight * rows, inv_t, coef,
+                                               out)
+        return kl * rows.to(kl.dtype), t1
+
     def raw_grad(self, raw, keys: torch.Tensor, counts: torch.Tensor, weight: torch.Tensor):
         """The kernel's direct gradient (if it has one) with each row's weight scaled."""
         direct = getattr(self.kernel, "raw_grad", None)

@@ -10,8 +10,9 @@ gradient block by block. Kernels that read only the logits and log-partitions (g
 take no softmax buffer on CPU: log-partitions alone in the forward, the gradient written from
 the logits in the backward (:mod:`.cpu_rows`). When the caller gives the loss's weights on the
 KD and CE sums ahead (``grad_weights``), the forward writes each block's gradient right after
-its sums, from the softmax and raw sums at hand (the exact form on CPU: its KL and gradient
-from one pass over the teacher rows), and the backward only scales it.
+its sums, from the softmax and raw sums at hand, and the backward only scales it. With one TP
+rank on CPU, gold and the exact (image) form then take each block straight from its logits, a
+chunk row at a time (:mod:`.gold_block`, :mod:`.image_block`): no softmax buffer, no raw sums.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class StudentLossPlan(BlockGradients):
         # forward takes log-partitions alone and the backward writes the gradient from the
         # logits (``cpu_rows``), no softmax buffer. Set per call from the logits (forward).
         self.logits_only = False
+        # Blocks with chunk rows taken from their logits by the kernel in one pass
+        # (``_fuses_blocks``). Set per call from the logits (forward).
+        self.from_logits = False
         self.num_real, self.vocab_start = num_real, vocab_start
         self.temp = float(temperature)
         self.labels = labels
@@ -146,14 +150,17 @@ class StudentLossPlan(BlockGradients):
         n_pos = logits2d.shape[0]
         dev = logits.device
         self.dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        needs_softmax = getattr(kernel, "needs_softmax", None)
-        self.logits_only = (not self.fused and needs_softmax is not None
-                            and not needs_softmax(logits2d.new_empty(0, dtype=self.dtype)))
         # The tail bucket (chunk top-k): W's row sums on the real local rows, in the compute
         # dtype for the forward here and the kernel's backward.
         self.tail = getattr(kernel, "row_sums", None)
         if self.tail is not None:
             self.tail = kernel.row_sums = self.tail.to(self.dtype)
+        like = logits2d.new_empty(0, dtype=self.dtype)
+        self.grad_now = self._can_grad_now()
+        self.from_logits = self._fuses_blocks(like)
+        needs_softmax = getattr(kernel, "needs_softmax", None)
+        self.logits_only = not self.fused and (
+            self.from_logits or (needs_softmax is not None and not needs_softmax(like)))
         opts = {"device": dev, "dtype": self.dtype}
         self.lz_local = torch.empty(n_pos, **opts)
         self.logz = self.lz_local if self.single else torch.empty(n_pos, **opts)
@@ -171,7 +178,6 @@ class StudentLossPlan(BlockGradients):
         raws, split_buf = [], None
         # The label's logit is read before any block's gradient may be written over it.
         picked = self._picked(logits2d) if self.labels is not None else None
-        self.grad_now = self._can_grad_now()
         if self.grad_now:
             self._start_grad_now(logits)
         in_grad = self._softmax_in_grad()
@@ -181,7 +187,7 @@ class StudentLossPlan(BlockGradients):
                 lz_local = self._partition_fused(x, blk.start, blk.end)
             elif self.logits_only:  # logits / T and their log-partitions; no softmax
                 x, probs = self._x(logits2d, blk.start, blk.end), None
-                if self._from_logits(x, blk, index):
+                if self.from_logits and blk.row_end > blk.row_start:
                     self._forward_from_logits(logits2d, x, blk, index, block_sums[index])
                     continue
                 lz_local = self._partition_logits(x, logits2d, blk.start, blk.end)
@@ -268,29 +274,41 @@ class StudentLossPlan(BlockGradients):
         self._reduce_partition(lz_local, lz1, None, start, end)
         return lz_local
 
-    def _from_logits(self, x: torch.Tensor, blk, index: int) -> bool:
-        """Whether the kernel makes block ``blk``'s log-partitions, KL and raw gradient from
-        its logits in one pass (gold on CPU: :meth:`.GoldKernel.forward_from_logits`): a
-        forward that writes the gradient, one TP rank (the shard's log-partitions are the
-        TP-wide ones), no second softmax for CE, every row of the block held whole."""
+    def _fuses_blocks(self, like: torch.Tensor) -> bool:
+        """Whether the kernel takes each block with chunk rows from its logits in one pass
+        (:meth:`_forward_from_logits`; gold and the exact form on CPU): a forward that writes
+        the gradient (so every chunk row is held whole: no CP split), one TP rank (the
+        shard's log-partitions are the TP-wide ones), no second softmax for CE, no tail."""
         fuses = getattr(self.kernel, "fuses_block", None)
-        return (fuses is not None and self.grad_now and self.single and not self._ce_extra
-                and self.extra is None and blk.row_end > blk.row_start
-                and self.rows.all_local(index) and fuses(x))
+        return (fuses is not None and not self.fused and self.grad_now and self.single
+                and not self._ce_extra and self.tail is None and fuses(like))
 
     def _forward_from_logits(self, logits2d: torch.Tensor, x: torch.Tensor, blk, index: int,
                              sums: torch.Tensor) -> None:
-        """Block ``blk`` by :meth:`_from_logits`' one pass: its (KL sum, top-1 matches) into
-        ``sums``, its log-partitions saved, its gradient written (``_grad_now``)."""
-        rows = self.rows
+        """Block ``blk`` by the kernel's pass from its logits: its (KL sum, top-1 matches) into
+        ``sums``, its log-partitions saved, its gradient written (``_grad_now``): by the
+        kernel's ``block_from_logits`` as it makes the KL (the exact form: a chunk row's
+        positions are still in the caches), or from the raw gradient that its
+        ``forward_from_logits`` returns (gold)."""
+        rows, kernel = self.rows, self.kernel
         lz_local = self.lz_local[blk.start: blk.end]  # written by the kernel
         data = self._block(x, None, lz_local, blk, index)
-        kl, t1, raw_grad = self.kernel.forward_from_logits(
-            data, rows.keys[blk.row_start: blk.row_end], rows.count[blk.row_start: blk.row_end],
-            self.grad_kd_t2)
+        keys = rows.keys[blk.row_start: blk.row_end]
+        counts = rows.count[blk.row_start: blk.row_end]
+        if getattr(kernel, "writes_block_gradient", False):
+            made: list[torch.Tensor] = []
+
+            def kernel_pass(inv_t: float, coef: torch.Tensor, dx: torch.Tensor) -> None:
+                made.extend(kernel.block_from_logits(data, keys, counts, self.grad_kd_t2,
+                                                     inv_t, coef, dx))
+
+            self._grad_now(logits2d, blk, index, x, None, None, kernel_pass=kernel_pass)
+            kl, t1 = made
+        else:
+            kl, t1, raw_grad = kernel.forward_from_logits(data, keys, counts, self.grad_kd_t2)
+            self._grad_now(logits2d, blk, index, x, None, None, raw_grad)
         torch.sum(kl, 0, dtype=torch.float64, out=sums[0])
         torch.sum(t1, 0, dtype=torch.float64, out=sums[1])
-        self._grad_now(logits2d, blk, index, x, None, None, raw_grad)
 
     def _partition_fused(self, z: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """:meth:`_partition` from the logits ``z`` in one fused pass (two with CE at T != 1):
