@@ -325,13 +325,25 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   three runs: 5.25 / 5.13 / 5.04 s against CE 3.48 / 3.60 / 3.72 s: 1.50x / 1.42x / 1.35x CE,
   chunk_topk 2.87-2.99 s: 1.71-1.83x it). Tried and left: a Numba transposing copy of the
   gradient on q (1.34 against torch's 1.69 ms a block in isolation; no gain in-process).
+  A chunk row at a time from the logits (``loss/image_block.py``, 97b7ee3; one TP rank, the
+  forward-written call): the row's positions' softmaxes summed in the thread's buffer and still
+  in the caches when their gradient is written, W's one-entry rows as one int32 column each.
+  On an AMD EPYC (Zen 4), one thread, 16k tokens: demo W (V_s 49,152) 4.76 s (f545e4b) ->
+  2.85-2.97 s, chunk_topk 1.99-2.12, CE 3.62-4.07 (1.34-1.50x chunk_topk, 0.73-0.78x CE);
+  real Llama-3 -> Qwen2 W (V_s 128,257, |I| 109,827) 14.9 -> 8.15 s, chunk_topk 5.52, CE
+  18.56 (1.48x, 0.44x). Per chunk row at 49k (parts timed alone): the positions' exps 28 us a
+  position, u on I 80 (the one-entry rows' scatter 46-59, the others' 19), the KL on I 52, h
+  45, the dot and the gradient 9 a position.
 
   (CE 0.85-0.92 s at 4,096 tokens, 3.8-5.0 s at 16,384.) Gold gains nothing measurable: its
   backward recomputed little (the block's logits summed per chunk row). chunk_topk keeps the
   recomputing backward either way: its kernel finishes all rows together, after every block's
   sums, so a block's gradient cannot be written with them.
 
-Both stay above the <= 2x target on CPU, for reasons of the forms themselves. The exact form
+(Since 212668a and 97b7ee3 both are within 2x on CPU in training's call: gold 0.6-0.8x CE, the
+exact form 1.34-1.50x chunk_topk, see above and README.md. What follows is the blockwise
+passes' account, which the other calls still take.) Both stayed above the <= 2x target on
+CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, with an
 exp, and its projection is a sparse gather of ~2.7 entries per student column with no
 locality, done twice (forward, and the gradient's transpose; three times with the recomputing

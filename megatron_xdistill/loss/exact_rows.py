@@ -38,11 +38,13 @@ import torch
 from numba import njit, prange
 
 from .common import EPS
-from .cpu_rows import FASTMATH, fast_exp, fast_log, first_argmax, row_max
+from .cpu_rows import FASTMATH, fast_exp, first_argmax, row_max
 from .formulas import teacher_only_terms
 from .numba_cpu import numba_takes, use_torch_threads
 from .projected_rows import (
     SUM_RUN,
+    cross_grad_piece,
+    cross_piece,
     floored_rows_grad,
     grad_scale,
     normaliser,
@@ -198,25 +200,14 @@ def _kl_rows(u, lp, keys, image, cut, outside, inv_total, eps, log_eps, kl, at, 
             if grad:  # the cross sum and the gradient in one loop over the piece's I-range
                 gr = g[r, i0:i1]
                 for s0 in range(0, uu.shape[0], SUM_RUN):
-                    us, ps, gs = uu[s0: s0 + SUM_RUN], pp[s0: s0 + SUM_RUN], gr[s0: s0 + SUM_RUN]
-                    x = zero * inv
-                    y = zero * inv
-                    for k in range(us.shape[0]):
-                        q = us[k] * inv
-                        qe = q + eps
-                        x += ps[k] * fast_log(qe)
-                        d = ps[k] / qe
-                        gs[k] = d
-                        y += d * q
+                    x, y = cross_grad_piece(uu[s0: s0 + SUM_RUN], pp[s0: s0 + SUM_RUN],
+                                            gr[s0: s0 + SUM_RUN], inv, eps, zero)
                     cross += x
                     c += y
             else:
                 for s0 in range(0, uu.shape[0], SUM_RUN):
-                    us, ps = uu[s0: s0 + SUM_RUN], pp[s0: s0 + SUM_RUN]
-                    x = zero * inv
-                    for k in range(us.shape[0]):
-                        x += ps[k] * fast_log(us[k] * inv + eps)
-                    cross += x
+                    cross += cross_piece(uu[s0: s0 + SUM_RUN], pp[s0: s0 + SUM_RUN], inv, eps,
+                                         zero)
         kl[r] = plogp - log_eps * out - cross
         teacher_at[r] = at_t + first_argmax(row[at_t: min(at_t + _PIECE, n_t)])
         at[r] = lo_u + first_argmax(ur[lo_u:hi_u]) if hi_u > lo_u else 0

@@ -38,13 +38,12 @@ from .cpu_rows import (
     cast_like,
     exp_row,
     exp_sum_row,
-    fast_log,
     first_argmax,
     logsumexp_row,
     row_max,
 )
 from .numba_cpu import use_torch_threads
-from .projected_rows import SUM_RUN, rows_in_place
+from .projected_rows import SUM_RUN, cross_grad_piece, rows_in_place
 from .workspace import scratch
 
 #: columns of the exp pass's L1 buffer (:func:`.cpu_rows.exp_sum_row`'s pieces)
@@ -132,16 +131,8 @@ def _kl_on_image(u, mult, row, eps, tiny, scale, zero):  # pragma: no cover - nu
     c = 0.0
     for s0 in range(0, width, SUM_RUN):
         s1 = min(s0 + SUM_RUN, width)
-        us, ps = u[s0:s1], row[s0:s1]
-        x = zero
-        y = zero
-        for k in range(us.shape[0]):
-            q = us[k] * q_of_u
-            qe = q + eps
-            x += ps[k] * fast_log(qe)
-            d = ps[k] / qe
-            us[k] = d
-            y += d * q
+        us = u[s0:s1]
+        x, y = cross_grad_piece(us, row[s0:s1], us, q_of_u, eps, zero)
         cross += x
         c += y
     if floored:

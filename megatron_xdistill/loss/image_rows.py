@@ -23,10 +23,12 @@ import torch
 from numba import njit, prange
 
 from .common import EPS, TINY
-from .cpu_rows import FASTMATH, fast_log, first_argmax
+from .cpu_rows import FASTMATH, first_argmax
 from .numba_cpu import numba_takes, use_torch_threads
 from .projected_rows import (
     SUM_RUN,
+    cross_grad_piece,
+    cross_piece,
     floored_rows_grad,
     grad_scale,
     normaliser,
@@ -50,21 +52,11 @@ def _cross_rows_on_image(u, pp, keys, inv_total, eps, cross, at, grad, scale, g,
         gr = g[r] if grad else g[0]
         for s0 in range(0, ur.shape[0], SUM_RUN):
             us, ps = ur[s0: s0 + SUM_RUN], row[s0: s0 + SUM_RUN]
-            x = zero * inv
             if grad:
-                gs = gr[s0: s0 + SUM_RUN]
-                y = zero * inv
-                for k in range(us.shape[0]):
-                    q = us[k] * inv
-                    qe = q + eps
-                    x += ps[k] * fast_log(qe)
-                    d = ps[k] / qe
-                    gs[k] = d
-                    y += d * q
+                x, y = cross_grad_piece(us, ps, gr[s0: s0 + SUM_RUN], inv, eps, zero)
                 c += y
             else:
-                for k in range(us.shape[0]):
-                    x += ps[k] * fast_log(us[k] * inv + eps)
+                x = cross_piece(us, ps, inv, eps, zero)
             x_total += x
         cross[r] = x_total
         at[r] = first_argmax(ur) if ur.shape[0] else 0

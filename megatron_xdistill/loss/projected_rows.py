@@ -6,14 +6,43 @@ rows and scalars reach the Numba kernels."""
 from __future__ import annotations
 
 import torch
+from numba import njit
 
 from .common import EPS, TINY
+from .cpu_rows import FASTMATH, fast_log
 
 #: Elements summed in the payload's dtype before a sum joins its float64 total: each lane of the
 #: vectorised loop adds a few terms, so the float32 partial is as exact as float64 sums of
 #: the float32 terms, and the loop takes no float64 conversions (a piece's three sums: 2.95 ->
 #: 1.99 ns a payload element, in isolation at 22 rows x 151,936; whole pieces: 1.98)
 SUM_RUN = 256
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def cross_grad_piece(us, ps, gs, inv, eps, zero):  # pragma: no cover - numba
+    """Over one piece of a row (at most :data:`SUM_RUN` columns), q = u inv: (sum P log(q +
+    eps), sum P q / (q + eps)) in the rows' dtype, with gs <- P / (q + eps) (``gs`` may be
+    ``us``: each element is read before it is written). The forward KL's cross sum and the
+    pieces of its gradient in one vectorised loop."""
+    x = zero
+    y = zero
+    for k in range(us.shape[0]):
+        q = us[k] * inv
+        qe = q + eps
+        x += ps[k] * fast_log(qe)
+        d = ps[k] / qe
+        gs[k] = d
+        y += d * q
+    return x, y
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def cross_piece(us, ps, inv, eps, zero):  # pragma: no cover - numba
+    """:func:`cross_grad_piece`'s cross sum alone."""
+    x = zero
+    for k in range(us.shape[0]):
+        x += ps[k] * fast_log(us[k] * inv + eps)
+    return x
 
 
 def numba_scalar(value: float, like: torch.Tensor):
@@ -55,5 +84,5 @@ def rows_in_place(logprobs: torch.Tensor):
     return (logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()).numpy()
 
 
-__all__ = ["SUM_RUN", "floored_rows_grad", "grad_scale", "normaliser", "numba_scalar",
+__all__ = ["SUM_RUN", "cross_grad_piece", "cross_piece", "floored_rows_grad", "grad_scale", "normaliser", "numba_scalar",
            "rows_in_place"]
