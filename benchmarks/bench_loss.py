@@ -329,7 +329,8 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   forward-written call): the row's positions' softmaxes summed in the thread's buffer and still
   in the caches when their gradient is written, W's one-entry rows as one int32 column each.
   On an AMD EPYC (Zen 4), one thread, 16k tokens: demo W (V_s 49,152) 4.76 s (f545e4b) ->
-  2.85-2.97 s, chunk_topk 1.99-2.12, CE 3.62-4.07 (1.34-1.50x chunk_topk, 0.73-0.78x CE);
+  2.51-2.97 s, chunk_topk 1.99-2.12, CE 3.62-4.07 (1.25-1.50x chunk_topk, 0.66-0.78x CE;
+  a7c7f04: 2.51 s; two threads 1.59 s wall against CE's 2.62);
   real Llama-3 -> Qwen2 W (V_s 128,257, |I| 109,827) 14.9 -> 8.15 s, chunk_topk 5.52, CE
   18.56 (1.48x, 0.44x). Per chunk row at 49k (parts timed alone): the positions' exps 28 us a
   position, u on I 80 (the one-entry rows' scatter 46-59, the others' 19), the KL on I 52, h
@@ -341,7 +342,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   sums, so a block's gradient cannot be written with them.
 
 (Since 212668a and 97b7ee3 both are within 2x on CPU in training's call: gold 0.6-0.8x CE, the
-exact form 1.34-1.50x chunk_topk, see above and README.md. What follows is the blockwise
+exact form 1.25-1.50x chunk_topk, see above and README.md. What follows is the blockwise
 passes' account, which the other calls still take.) Both stayed above the <= 2x target on
 CPU, for reasons of the forms themselves. The exact form
 reads the teacher's [chunks, V_t] payload, 2.2x the student's logits at these sizes, with an

@@ -296,3 +296,39 @@ def test_sample_weights_on_the_row_path_equal_the_recomputing_call(monkeypatch):
     torch.testing.assert_close(grad, grad0, rtol=1e-5, atol=1e-7)
     _, unweighted = _loss_and_grad(case, payload, True, True)
     assert not torch.allclose(grad, unweighted, rtol=1e-3, atol=1e-5)  # the weights count
+
+
+def test_image_from_logits_path_in_float64_matches_reference(monkeypatch):
+    """Float64 logits (gradcheck's precision) on the row path: the blockwise passes' loss and
+    gradient in float64 to 1e-11 (the same sums in another order), and the float64 reference's
+    to 1e-6 (the payload's P is float32: 6e-8 relative an element)."""
+    from megatron_xdistill.loss import image_block
+
+    case = _case()
+    payload = _payload(case, "image")
+    with torch.no_grad():
+        first = _loss(case, payload, case.student_logits.double().clone(), True, None)
+    n_kd, n_ce = float(first.kd_count), float(first.ce_count)
+    calls = []
+    real = image_block.image_block
+    monkeypatch.setattr(image_block, "image_block",
+                        lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+
+    def loss_and_grad(weights):
+        logits = case.student_logits.double().clone().requires_grad_(True)
+        terms = _loss(case, payload, logits, True, weights)
+        loss = terms.kd_sum / n_kd + terms.ce_sum / n_ce
+        loss.backward()
+        return loss.item(), logits.grad[..., : case.vs]
+
+    loss, grad = loss_and_grad((1.0 / n_kd, 1.0 / n_ce))
+    assert calls and set(calls) == {torch.float64}
+    calls.clear()
+    blockwise, blockwise_grad = loss_and_grad(None)  # the recomputing backward: blockwise
+    assert not calls
+    assert loss == pytest.approx(blockwise, rel=1e-11)
+    scale = blockwise_grad.abs().max().item()
+    torch.testing.assert_close(grad, blockwise_grad, rtol=1e-11, atol=1e-11 * scale)
+    ref, ref_grad = case.reference_loss("pkl", 1.0, True)
+    assert loss == pytest.approx(ref, rel=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-6, atol=1e-6 * scale)
