@@ -251,6 +251,13 @@ def logsumexp_row(row, m):  # pragma: no cover - numba
     return m + math.log(total)
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def logsumexp_of(row):  # pragma: no cover - numba
+    """The row's log-partition, as :func:`row_logsumexp` (-inf for a row of -inf, NaN for a
+    row with a NaN): its maximum, then :func:`logsumexp_row`."""
+    return logsumexp_row(row, row_max(row))
+
+
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _logsumexp_rows(x, top, out):  # pragma: no cover - numba
     """out[i] = top[i] + log(sum_v exp(x[i, v] - top[i])), ``top`` the rows' maxima."""
@@ -275,7 +282,7 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
 #: columns a partial sum of :func:`_exp_sums` takes in the rows' dtype (vectorised) before it
 #: is added in fp64: one fp32 sum over a 5,000-column row was 6x further from the float64
 #: softmax than torch's
-_PART = 256
+EXP_PIECE = 256
 #: a piece's fp32 sum of exps above which :func:`_exp_sums` moves its shift up to the piece's
 #: maximum (~e^62: every exp and partial stays a finite float32, 1 / sum of a row a normal one;
 #: a row whose first piece holds a value within ~62 of its maximum, any row of a trained
@@ -301,21 +308,21 @@ def _rescale(o, s):  # pragma: no cover - numba
 
 @njit(inline="always", fastmath=FASTMATH)
 def exp_sum_row(o, row, buf, same):  # pragma: no cover - numba
-    """o = exp(row - shift) and (shift, the sum of o in fp64 over :data:`_PART` pieces), in one
+    """o = exp(row - shift) and (shift, the sum of o in fp64 over :data:`EXP_PIECE` pieces), in one
     pass over the row: the shift is its first piece's maximum (the row's, where that piece is
     all -inf), moved up to a later piece's maximum where that piece's sum of exps passes
     :data:`_PIECE_LIMIT` (the pieces before it scaled by exp(old - new) in float64, the piece
     taken again), so no pass of its own for the row's maximum. ``same``: o is row; each
-    piece's exps go to ``buf`` (an L1 buffer of :data:`_PART`), then over the piece (the row
+    piece's exps go to ``buf`` (an L1 buffer of :data:`EXP_PIECE`), then over the piece (the row
     is still there if the piece is taken again)."""
-    part_len = min(_PART, row.shape[0])
+    part_len = min(EXP_PIECE, row.shape[0])
     c = row_max(row[:part_len])
     if c == -math.inf:
         c = row_max(row)  # -inf still: a row of -inf, NaN as torch's softmax
     row_total = 0.0
-    for v0 in range(0, row.shape[0], _PART):
-        xc = row[v0: v0 + _PART]
-        oc = buf[: xc.shape[0]] if same else o[v0: v0 + _PART]
+    for v0 in range(0, row.shape[0], EXP_PIECE):
+        xc = row[v0: v0 + EXP_PIECE]
+        oc = buf[: xc.shape[0]] if same else o[v0: v0 + EXP_PIECE]
         part = _exp_sum_piece(oc, xc, c)
         if part > _PIECE_LIMIT:  # a value > c + ~62 (inf: +inf or overflow; NaN: not)
             top = row_max(xc)
@@ -333,7 +340,7 @@ def exp_sum_row(o, row, buf, same):  # pragma: no cover - numba
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _exp_sums(out, x, shift, total, same):  # pragma: no cover - numba
     """out[i] = exp(x[i] - shift[i]), total[i] = its sum: :func:`exp_sum_row` a row."""
-    part_len = min(_PART, x.shape[1])
+    part_len = min(EXP_PIECE, x.shape[1])
     for i in prange(x.shape[0]):
         buf = np.empty(part_len, x.dtype)
         row = x[i]
@@ -349,7 +356,7 @@ def row_exp_(out: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     overlap it; CPU float32 / float64, rows of unit stride). Returns (log-partition, 1 / sum
     of the row's exps): the softmax is ``out`` times the latter, which a caller that reads
     the softmax through a per-row factor folds in there (the loss's forward for the exact
-    form: one exp pass with the shift taken as it goes and fp64 sums of :data:`_PART`-column
+    form: one exp pass with the shift taken as it goes and fp64 sums of :data:`EXP_PIECE`-column
     partials; no pass for the row's maximum, no normalising pass, no second row maximum for
     the log-partition: 0.71-0.72 s at 16k positions x 49,152 columns, one thread, in-process,
     against 0.96-0.99 with a row-max pass and 1.27-1.34 for torch's softmax). A row of -inf
@@ -437,6 +444,6 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
         _exp_spread(out.detach().numpy(), x.detach().numpy(), *rest)
 
 
-__all__ = ["FASTMATH", "cast_like", "exp_row", "exp_row_plus", "exp_spread_", "exp_sum_row", "fast_exp",
-           "fast_log", "first_argmax", "logsumexp_row", "prefetch", "row_exp_", "row_logsumexp", "row_max",
+__all__ = ["EXP_PIECE", "FASTMATH", "cast_like", "exp_row", "exp_row_plus", "exp_spread_", "exp_sum_row", "fast_exp",
+           "fast_log", "first_argmax", "logsumexp_of", "logsumexp_row", "prefetch", "row_exp_", "row_logsumexp", "row_max",
            "zero_of"]

@@ -28,7 +28,7 @@ import torch
 from numba import njit, prange
 
 from .block_runs import row_runs, run_buffers
-from .cpu_rows import FASTMATH, exp_row, exp_row_plus, logsumexp_row, row_max
+from .cpu_rows import FASTMATH, exp_row, exp_row_plus, logsumexp_of
 from .gold_rows import forward_row, gradient_row
 from .numba_cpu import use_torch_threads
 from .sorted_l1 import SignRuns
@@ -48,13 +48,6 @@ class GoldRowsGrad:
     scale: torch.Tensor
 
 
-@njit(inline="always", fastmath=FASTMATH)
-def _logsumexp(row):  # pragma: no cover - numba
-    """The row's log-partition, as :func:`.cpu_rows.row_logsumexp` (-inf for a row of -inf,
-    NaN for a row with a NaN)."""
-    return logsumexp_row(row, row_max(row))
-
-
 @njit(parallel=True, cache=True, nogil=True, fastmath=FASTMATH)
 def _forward_block(x, seg, counts, col_common, col_uncommon, b, b_keys, lz, a_unc, checksum,
                    kl, agree, sums, work, first, end, orphans):  # pragma: no cover
@@ -64,11 +57,11 @@ def _forward_block(x, seg, counts, col_common, col_uncommon, b, b_keys, lz, a_un
         buf, w = sums[t], work[t]
         for r in range(rows * t // threads, rows * (t + 1) // threads):
             p0 = first[r]
-            lz[p0] = _logsumexp(x[p0])
+            lz[p0] = logsumexp_of(x[p0])
             z = lz[p0]  # in the rows' dtype, summed in position order (as index_add)
             buf[:] = x[p0]
             for p in range(p0 + 1, end[r]):
-                lz[p] = _logsumexp(x[p])
+                lz[p] = logsumexp_of(x[p])
                 z += lz[p]
                 xp = x[p]
                 for v in range(buf.shape[0]):
@@ -77,7 +70,7 @@ def _forward_block(x, seg, counts, col_common, col_uncommon, b, b_keys, lz, a_un
                                                        col_uncommon, b[b_keys[r]], a_unc[r], w)
     for i in prange(num_orphans):
         p = orphans[i]
-        lz[p] = _logsumexp(x[p])
+        lz[p] = logsumexp_of(x[p])
 
 
 def forward_block(x: torch.Tensor, seg: torch.Tensor, num_rows: int, counts: torch.Tensor,

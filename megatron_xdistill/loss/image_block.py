@@ -34,20 +34,17 @@ from numba import njit, prange
 from .block_runs import row_runs, run_buffers
 from .common import EPS, TINY
 from .cpu_rows import (
+    EXP_PIECE,
     FASTMATH,
     cast_like,
     exp_row,
     exp_sum_row,
     first_argmax,
-    logsumexp_row,
-    row_max,
+    logsumexp_of,
 )
 from .numba_cpu import use_torch_threads
 from .projected_rows import SUM_RUN, cross_grad_piece, rows_in_place
 from .workspace import scratch
-
-#: columns of the exp pass's L1 buffer (:func:`.cpu_rows.exp_sum_row`'s pieces)
-_PIECE = 256
 
 
 @dataclass
@@ -167,14 +164,13 @@ def _image_block(x, out, same, seg, coef, alpha, single, multi_row, multi_col, m
                 lz[p] = shift + np.log(total)
                 iv = cast_like(1.0 / total, zero)
                 inv_pos[p] = iv
-                if alone:
-                    pass
-                elif p == p0:
-                    for v in range(m.shape[0]):
-                        m[v] = o[v] * iv
-                else:
-                    for v in range(m.shape[0]):
-                        m[v] += o[v] * iv
+                if not alone:
+                    if p == p0:
+                        for v in range(m.shape[0]):
+                            m[v] = o[v] * iv
+                    else:
+                        for v in range(m.shape[0]):
+                            m[v] += o[v] * iv
             # 2.-3. u on I, the KL and its gradient g on u (over u)
             if alone:
                 _project(x[p0] if same else out[p0], q, single, multi_row, multi_col,
@@ -203,7 +199,7 @@ def _image_block(x, out, same, seg, coef, alpha, single, multi_row, multi_col, m
     for i in prange(num_orphans):  # positions of no chunk row: CE's part alone
         p = orphans[i]
         xp = x[p]
-        lz[p] = logsumexp_row(xp, row_max(xp))
+        lz[p] = logsumexp_of(xp)
         if same:
             exp_row(xp, xp, lz[p], coef[p])
         else:
@@ -231,7 +227,8 @@ def image_block(out: torch.Tensor, x: torch.Tensor, seg: torch.Tensor, num_rows:
         return cross, at
     mass = scratch("image_block_mass", threads * vocab, x.device, dt).view(threads, vocab)
     qs = scratch("image_block_q", threads * (width + 1), x.device, dt).view(threads, width + 1)
-    pieces = scratch("image_block_piece", threads * _PIECE, x.device, dt).view(threads, _PIECE)
+    pieces = scratch("image_block_piece", threads * EXP_PIECE, x.device, dt)
+    pieces = pieces.view(threads, EXP_PIECE)
     same = (out.data_ptr() == x.data_ptr() and out.shape == x.shape
             and out.stride() == x.stride())
     scale = weight.to(dt).expand(num_rows).contiguous()
