@@ -329,10 +329,10 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   forward-written call): the row's positions' softmaxes summed in the thread's buffer and still
   in the caches when their gradient is written, W's one-entry rows as one int32 column each.
   On an AMD EPYC (Zen 4), one thread, 16k tokens: demo W (V_s 49,152) 4.76 s (f545e4b) ->
-  2.51-2.97 s, chunk_topk 1.99-2.12, CE 3.62-4.07 (1.25-1.50x chunk_topk, 0.66-0.78x CE;
-  a7c7f04: 2.51 s; two threads 1.59 s wall against CE's 2.62);
+  2.48-2.97 s, chunk_topk 1.85-2.12, CE 3.62-4.31 (1.25-1.50x chunk_topk, 0.57-0.78x CE;
+  a7c7f04: 2.51 s, two threads 1.59 s wall against CE's 2.62; f032339: 2.48 s);
   real Llama-3 -> Qwen2 W (V_s 128,257, |I| 109,827) 14.9 -> 8.15 s, chunk_topk 5.52, CE
-  18.56 (1.48x, 0.44x). Per chunk row at 49k (parts timed alone): the positions' exps 28 us a
+  18.56 (1.48x, 0.44x; one run, before the flat loop over W's other entries). Per chunk row at 49k (parts timed alone): the positions' exps 28 us a
   position, u on I 80 (the one-entry rows' scatter 46-59, the others' 19), the KL on I 52, h
   45, the dot and the gradient 9 a position.
 
