@@ -742,8 +742,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--recompute", action="store_true",
                         help="the KD call gets no loss_weights: its backward recomputes each "
                              "block's softmax and sums (what a call gets whose loss weights are "
-                             "not known before it: dynamic scaling, several teachers); default: "
-                             "the forward writes the gradient, as training's one-teacher call")
+                             "not known before it, dynamic scaling, and teacher 0 of several "
+                             "where another teacher's call recomputes); default: the forward "
+                             "writes the gradient, as training's calls with known weights")
     parser.add_argument("--projection", default=None, metavar="PATH",
                         help="a real W (.safetensors from the projection CLI) instead of the "
                              "synthetic one; its vocabularies set V_s and V_t (gold: its strict "

@@ -20,7 +20,7 @@ from test_loss_grad_into_logits import (
     _payload,
 )
 
-from megatron_xdistill.loss import exact_rows, kernels, parallel_kd_loss
+from megatron_xdistill.loss import exact_rows, forward_writes_gradient, kernels, parallel_kd_loss
 from megatron_xdistill.loss.common import predicting_chunk_id
 
 
@@ -136,6 +136,37 @@ def test_raw_sums_are_made_once_per_block(monkeypatch):
     assert len(set(once)) > 2 and sorted(once) == sorted(set(once))
     assert sorted(calls) == sorted(once + once)
     assert len(grads) == len(once)
+
+
+@pytest.mark.parametrize("mode,form,writes", [
+    ("pkl", "full", True), ("gold", "gold", True), ("hkl", "gold", True),
+    ("pkl", "chunk_topk", False), ("pkl", "topk", False)])
+def test_forward_writes_gradient_says_when_the_backward_reads_no_logits(mode, form, writes):
+    """Where ``forward_writes_gradient`` says so, a call given ``loss_weights`` reads no logits
+    in its backward: the logits scrambled after its forward (no version bump) leave its
+    gradient bit for bit as it was (what lets a trainer make teacher 0's call, which writes
+    over the logits, after the other teachers' calls). Where it says no (the top-k forms'
+    kernels finish all rows together: the backward recomputes), the same scramble changes the
+    gradient: the check can fail. Never with chunks that may be split over CP ranks."""
+    assert forward_writes_gradient(mode, form, 1) == writes
+    assert not forward_writes_gradient(mode, form, 2)
+    case = _case()
+    n_kd, _ = _counts(case, mode, form, 1.0, False)
+
+    def gradient(scramble: bool) -> torch.Tensor:
+        logits = case.student_logits.float().clone().requires_grad_(True)
+        terms = _call(case, logits, mode, form, 1.0, False, False, (1.0 / n_kd, 0.0))
+        if scramble:  # what the backward would read, were it to read the logits
+            logits.data.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(5))
+        (terms.kd_sum / n_kd).backward()
+        return logits.grad
+
+    clean, scrambled = gradient(False), gradient(True)
+    assert clean.abs().max() > 0
+    if writes:
+        assert torch.equal(scrambled, clean)
+    else:
+        assert not torch.allclose(scrambled, clean, rtol=1e-3, atol=1e-6)
 
 
 def test_upstream_gradients_in_another_ratio_raise():

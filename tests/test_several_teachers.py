@@ -34,6 +34,7 @@ from megatron_xdistill.testing.multirank import RankPool
 
 pytestmark = needs_shared_assets
 SEQ, QWEN_SEQ, GBS, SEED = 32, 40, 4, 1234
+QWEN_TOPK = 16
 WEIGHTS = {"qwen": 0.7, "peer": 0.3}
 CE_WEIGHT = 0.5
 
@@ -52,12 +53,13 @@ def setup(e2e_setup, request, tmp_path_factory):
 
 def _teachers_yaml(path: Path, root: Path, s_tok: Path, t_tok: Path, peer_root: Path,
                    combination: str, qwen_layout: dict, peer_layout: dict) -> Path:
+    """Both teachers; qwen's chunk top-16 unless ``qwen_layout`` sets its own ``kd_topk``."""
     import yaml
 
     path.write_text(yaml.safe_dump({"teachers": [
         {"name": "qwen", "load": str(root / "teacher"), "tokenizer_model": str(t_tok),
          "projection_path": str(root / "proj.safetensors"), "seq_length": QWEN_SEQ,
-         "kd_topk": 16, "weight": WEIGHTS["qwen"], **qwen_layout},
+         "kd_topk": QWEN_TOPK, "weight": WEIGHTS["qwen"], **qwen_layout},
         {"name": "peer", "load": str(peer_root / "peer"), "tokenizer_model": str(s_tok),
          "kd_topk": 0, "weight": WEIGHTS["peer"], **peer_layout},
     ], "combination": combination}))
@@ -97,9 +99,11 @@ def _first_global_batch(root: Path, s_tok: Path, t_tok: Path, data: str = "train
     return collate_samples([dataset[i] for i in range(GBS)])
 
 
-def _per_sample_terms(root: Path, peer_root: Path, batch: dict, student):
+def _per_sample_terms(root: Path, peer_root: Path, batch: dict, student,
+                      qwen_topk: int = QWEN_TOPK):
     """Per sample: (qwen KL sum, qwen chunks, peer KL sum, peer positions, CE sum, CE tokens,
-    qwen text nats, peer text nats), with autograd into ``student``."""
+    qwen text nats, peer text nats), with autograd into ``student``. ``qwen_topk`` 0: qwen's
+    exact P-KL over all of its vocabulary."""
     from megatron_xdistill.data.dataset import teacher_view
     from megatron_xdistill.loss.reference import kd_loss_details
 
@@ -129,7 +133,7 @@ def _per_sample_terms(root: Path, peer_root: Path, batch: dict, student):
         details = kd_loss_details(
             _padded(s_logits[one]), _padded(q_logits[one]), qwen["student_chunk_id"][one],
             qwen["teacher_chunk_id"][one], qwen["chunk_valid"][one], qwen["chunk_exact"][one],
-            w, chunk_topk=16)
+            w, chunk_topk=qwen_topk or None)
         rows.append((details.per_chunk.sum(), details.counted.sum().double(),
                      (kl[b] * mask[b]).sum(), mask[b].sum().double(), (ce[b] * mask[b]).sum(),
                      mask[b].sum().double(), q_nats[b].item(), p_nats[b].item()))
@@ -147,24 +151,28 @@ def first_batch(setup):
     return _first_global_batch(root, s_tok, t_tok)
 
 
+@pytest.mark.parametrize("qwen_topk", [QWEN_TOPK, 0], ids=["qwen_chunk_topk", "qwen_exact"])
 def test_two_teachers_step_equals_the_weighted_sum_of_single_teacher_references(
-        setup, first_batch, tmp_path):
+        setup, first_batch, tmp_path, qwen_topk):
     """Student DP2, qwen TP2, peer PP2 (each teacher its own layout), SGD: the first step's
-    per-teacher KD, CE, and the parameter update against the dense references."""
+    per-teacher KD, CE, and the parameter update against the dense references. qwen's chunk
+    top-k call recomputes in its backward (made first, it writes over the logits last); with
+    its exact P-KL every call writes its gradient in the forward (qwen's made last)."""
     root, s_tok, t_tok, peer_root = setup
-    run_dir = tmp_path / "run"
-    argv = _argv_two(root, s_tok, t_tok, peer_root, "two_sum", "sum",
-                     {"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2},
+    run_dir, name = tmp_path / "run", f"two_sum_k{qwen_topk}"
+    argv = _argv_two(root, s_tok, t_tok, peer_root, name, "sum",
+                     {"tensor_model_parallel_size": 2, "kd_topk": qwen_topk},
+                     {"pipeline_model_parallel_size": 2},
                      [*PLAIN, *SGD, "--save", str(run_dir)])
     with RankPool(2) as pool:
         pool.run(_run_main, argv)
     with RankPool(1) as pool:
         pool.run(_export, run_dir, tmp_path / "hf")
-    got = _metrics(root, "two_sum")
+    got = _metrics(root, name)
 
     student = _hf(root / "student_hf")
     before = {k: v.detach().clone() for k, v in student.state_dict().items()}
-    rows = _per_sample_terms(root, peer_root, first_batch, student)
+    rows = _per_sample_terms(root, peer_root, first_batch, student, qwen_topk)
     q_sum, q_n, p_sum, p_n, ce_sum, ce_n = (sum(r[i] for r in rows) for i in range(6))
     kd_q, kd_p, ce = q_sum / q_n, p_sum / p_n, ce_sum / ce_n
     assert kd_q.item() > 0.05 and kd_p.item() > 0.05  # KLs that are not ~0

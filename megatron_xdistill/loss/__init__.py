@@ -79,7 +79,7 @@ from .image_projection import teacher_image
 from .payload import PayloadSpec, TeacherPayload
 from .reference import kd_loss
 from .shard import ProjectionShard
-from .student import KDTerms, parallel_kd_loss
+from .student import KDTerms, forward_writes_gradient, parallel_kd_loss
 from .teacher import payload_spec, teacher_payload
 from .total import combined_loss, counted_chunks, global_sums, student_split_chunks, total_loss
 
@@ -95,6 +95,7 @@ __all__ = [
     "common_vocab_from_dense",
     "counted_chunks",
     "student_split_chunks",
+    "forward_writes_gradient",
     "global_sums",
     "kd_loss",
     "parallel_kd_loss",

@@ -8,8 +8,9 @@ and backward over them. Chunks held whole by the rank are finished with the TP r
 [rows, |K|] sums; chunks split over CP are summed over CP first. Backward recomputes the block's
 softmax from the saved log-partitions (never storing [T, V] probabilities) and writes the
 gradient block by block, so the extra memory is a few [block, V_local] buffers. Given the
-loss's weights on its two sums (``loss_weights``, as training's one-teacher call), the forward
-writes the gradient instead and the backward scales it: nothing is made twice.
+loss's weights on its two sums (``loss_weights``, as training gives each teacher's call where
+they are known), the forward writes the gradient instead and the backward scales it: nothing is
+made twice.
 """
 
 from __future__ import annotations
@@ -187,6 +188,17 @@ def parallel_kd_loss(
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
 
 
+def forward_writes_gradient(mode: str, form: str, cp_size: int) -> bool:
+    """Whether :func:`parallel_kd_loss` given ``loss_weights``, on logits that require a
+    gradient, surely writes the gradient in its forward and so reads no logits in its backward
+    (what a caller making several calls on the same logits needs to order them): the kernels
+    that finish each block in the forward (the exact / image / gold forms), with no chunk split
+    over CP (one CP rank). Conservative: False may still write it (CP ranks that split no
+    chunk); True never fails to. A caller's order that trusts it wrongly fails loudly (the
+    logits' version counter), not silently."""
+    return cp_size == 1 and kernel_class_for(mode, form).per_block
+
+
 def _checked_weights(weights) -> tuple[float, float]:
     """``loss_weights`` as two finite floats, or a clear error."""
     try:
@@ -203,4 +215,4 @@ def _longest(rows: ChunkRows) -> int:
     return max((blk.end - blk.start for blk in rows.blocks), default=0)
 
 
-__all__ = ["KDTerms", "parallel_kd_loss"]
+__all__ = ["KDTerms", "forward_writes_gradient", "parallel_kd_loss"]

@@ -15,6 +15,7 @@ from megatron_xdistill.loss import (
     ProjectionShard,
     TeacherPayload,
     counted_chunks,
+    forward_writes_gradient,
     parallel_kd_loss,
     payload_spec,
     predicting_chunk_id,
@@ -222,6 +223,13 @@ class KDObjective:
         labels = batch["tokens"][:, 1:].clone()
         labels[batch["loss_mask"] <= 0] = -1
         return groups.cp_local(labels)
+
+    def writes_gradient_in_forward(self) -> bool:
+        """Whether :meth:`student_terms` given ``loss_weights`` surely writes the logits'
+        gradient in its forward and reads no logits in its backward (the exact / image / gold
+        forms, one student CP rank; :func:`~megatron_xdistill.loss.forward_writes_gradient`)."""
+        return (not self.ce_only and self.spec is not None
+                and forward_writes_gradient(self.mode, self.form, self.student.layout.cp))
 
     def student_terms(self, logits: torch.Tensor, batch: dict,
                       payload_rows: torch.Tensor | None = None, with_ce: bool = True,

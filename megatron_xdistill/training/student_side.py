@@ -169,15 +169,9 @@ class StudentSide:
                                           grad_into_logits=True)]
             weights, denominators = [0.0], [None]
         else:
-            # Teacher 0's call writes its gradient over the logits: made first, its backward
-            # runs last (autograd runs nodes in reverse order of creation), after every other
-            # teacher's has read them; were it ever earlier, their backward would raise (the
-            # logits' version is bumped), not read a gradient.
             weights = list(combination.weights)
-            ahead = self._loss_weights(weights, denominators, n_tokens)
-            terms = [self._teacher_terms(kd, k, micro, logits, over_logits=k == 0,
-                                         loss_weights=ahead)
-                     for k, kd in enumerate(kds)]
+            terms = self._teachers_terms(kds, micro, logits,
+                                         self._loss_weights(weights, denominators, n_tokens))
         loss, _ = combined_loss(terms, kd_weights=weights, ce_weight=cfg.ce_weight,
                                 dynamic_scaling=cfg.kd_dynamic_scaling,
                                 kd_denominators=denominators, ce_denominator=n_tokens,
@@ -192,24 +186,49 @@ class StudentSide:
         return scaled, torch.tensor(1, dtype=torch.int), {"report": torch.stack(report)}
 
     def _loss_weights(self, weights: list[float], denominators: list[float | None],
-                      n_tokens: float) -> tuple[float, float] | None:
-        """The weights :func:`combined_loss` puts on the one teacher's KD sum and on the CE
-        sum, known before the loss call (global-batch denominators, no dynamic scaling): the
-        call then writes its gradient in the forward (``loss_weights``), and its backward
-        recomputes nothing. None with several teachers (teacher 0's call writes over the
-        logits, which the later-made calls still read) or dynamic scaling (the weights come
-        from the microbatch's sums)."""
-        if len(weights) != 1 or denominators[0] is None or self.side_config.kd_dynamic_scaling:
+                      n_tokens: float) -> list[tuple[float, float]] | None:
+        """Per teacher, the weights :func:`combined_loss` puts on its KD sum and on the CE sum
+        (teacher 0's call takes the CE; the others' CE weight is 0), known before the loss
+        calls (global-batch denominators, no dynamic scaling): a call given them writes its
+        gradient in the forward and its backward recomputes nothing. None with dynamic
+        scaling (the weights come from the microbatch's sums) or a denominator not known."""
+        if self.side_config.kd_dynamic_scaling or any(d is None for d in denominators):
             return None
-        return (weights[0] / max(float(denominators[0]), 1.0),
-                self.side_config.ce_weight / max(float(n_tokens), 1.0))
+        ce = self.side_config.ce_weight / max(float(n_tokens), 1.0)
+        return [(w / max(float(d), 1.0), ce if k == 0 else 0.0)
+                for k, (w, d) in enumerate(zip(weights, denominators, strict=True))]
+
+    def _teachers_terms(self, kds: list[KDObjective], micro: Microbatch, logits: torch.Tensor,
+                        ahead: list[tuple[float, float]] | None) -> list[KDTerms]:
+        """Every teacher's KD sums of a micro-batch, in teacher order. Teacher 0's call (it
+        takes the CE) writes the logits' gradient over them, so it must be their last reader:
+        made last, forward-written (``ahead``), where every call surely writes its gradient in
+        the forward and so reads no logits in its backward (the exact / image / gold forms,
+        one CP rank: no call recomputes anything); otherwise made first with the recomputing
+        backward, which autograd runs after every later-made call's (nodes run in reverse order
+        of creation; were it ever earlier, their backward would raise on the logits' bumped
+        version, not read a gradient). Teachers 1.. write their gradients into buffers of
+        their own: in the forward where ``ahead`` is known and their kernel can (each buffer,
+        [micro-batch, V_local], then lives from its forward to the backward: with two or
+        three teachers no higher a peak than the recomputing backwards' two)."""
+        if ahead is None:
+            ahead = [None] * len(kds)
+        zero_last = len(kds) > 1 and ahead[0] is not None and all(
+            kd.writes_gradient_in_forward() for kd in kds)
+        order = [*range(1, len(kds)), 0] if zero_last else list(range(len(kds)))
+        made = {}
+        for k in order:
+            weights = ahead[k] if (k > 0 or zero_last or len(kds) == 1) else None
+            made[k] = self._teacher_terms(kds[k], k, micro, logits, over_logits=k == 0,
+                                          loss_weights=weights)
+        return [made[k] for k in range(len(kds))]
 
     @staticmethod
     def _teacher_terms(kd: KDObjective, k: int, micro: Microbatch, logits: torch.Tensor,
                        over_logits: bool = False, loss_weights: tuple[float, float] | None = None):
         """Teacher k's KD sums of a micro-batch (teacher 0's call also takes the CE); under
         selection only over the samples it teaches, and no work when it teaches none.
-        ``loss_weights``: see :meth:`_loss_weights` (one teacher)."""
+        ``loss_weights``: this teacher's of :meth:`_loss_weights`."""
         view = teacher_view(micro.batch, k)
         taught = micro.taught_by(k)
         if taught is not None:
