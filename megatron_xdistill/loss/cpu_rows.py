@@ -444,6 +444,6 @@ def exp_spread_(out: torch.Tensor, x: torch.Tensor, lz: torch.Tensor, coef: torc
         _exp_spread(out.detach().numpy(), x.detach().numpy(), *rest)
 
 
-__all__ = ["EXP_PIECE", "FASTMATH", "cast_like", "exp_row", "exp_row_plus", "exp_spread_", "exp_sum_row", "fast_exp",
-           "fast_log", "first_argmax", "logsumexp_of", "logsumexp_row", "prefetch", "row_exp_", "row_logsumexp", "row_max",
-           "zero_of"]
+__all__ = ["EXP_PIECE", "FASTMATH", "cast_like", "exp_row", "exp_row_plus", "exp_spread_",
+           "exp_sum_row", "fast_exp", "fast_log", "first_argmax", "logsumexp_of", "logsumexp_row",
+           "prefetch", "row_exp_", "row_logsumexp", "row_max", "zero_of"]

@@ -84,5 +84,5 @@ def rows_in_place(logprobs: torch.Tensor):
     return (logprobs if logprobs.stride(-1) == 1 else logprobs.contiguous()).numpy()
 
 
-__all__ = ["SUM_RUN", "cross_grad_piece", "cross_piece", "floored_rows_grad", "grad_scale", "normaliser", "numba_scalar",
-           "rows_in_place"]
+__all__ = ["SUM_RUN", "cross_grad_piece", "cross_piece", "floored_rows_grad", "grad_scale",
+           "normaliser", "numba_scalar", "rows_in_place"]
