@@ -289,9 +289,10 @@ def test_wsd_and_warmup_fraction_follow_megatron_lm(base, style, formula):
     args = parse_args(argv, 4)
     assert args.lr_warmup_iters == 2
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
-    scheduler = LRSchedule.from_args(args).build(optimizer)
+    schedule = LRSchedule.from_args(args)
+    scheduler = schedule.build(optimizer)
     for step in range(1, 21):
-        scheduler.step(1)
+        scheduler.step(schedule.step_size)  # samples, as Megatron-LM counts
         if step <= 2:
             want = 0.2 + (1.0 - 0.2) * step / 2
         elif step <= 15:
@@ -340,7 +341,8 @@ def test_side_configs_carry_the_flags_in_megatron_types(base, tmp_path):
     assert (student.ce_weight, student.load_optim, student.load_rng) == (0.25, False, True)
     assert student.model_options["recompute_granularity"] == "selective"
     assert (student.schedule.max_lr, student.schedule.min_lr) == (1e-4, 1e-5)
-    assert (student.schedule.decay_steps, student.schedule.train_iters) == (3, 3)
+    # In samples, as Megatron-LM counts: 3 iterations of 8
+    assert (student.schedule.decay_steps, student.schedule.step_size) == (24, 8)
     assert (student.global_batch_size, student.micro_batch_size, student.seq_length) == (8, 1, 64)
     teachers = [TeacherSideConfig.from_args(spec.view(args)) for spec in args.teachers]
     assert [t.seq_length for t in teachers] == [96, 80]

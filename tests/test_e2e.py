@@ -239,6 +239,50 @@ def test_resume_matches_uninterrupted_run(e2e_setup, e2e_pool, tmp_path):
             student.tie_word_embeddings)
 
 
+def _lrs(root: Path, name: str) -> dict[int, float]:
+    records = [json.loads(x) for x in (root / f"{name}.jsonl").read_text().splitlines()]
+    return {r["iteration"]: r["lr"] for r in records if "lr" in r}
+
+
+def test_a_resumed_run_with_another_schedule_follows_the_flag_or_is_refused(e2e_setup, e2e_pool,
+                                                                            tmp_path):
+    """A cosine run of 2 iterations, resumed with --train-iters 3 (its decay now spans 3: the
+    learning-rate schedule differs from the checkpoint's). Without a flag it is refused before
+    anything is built, naming the field and both of Megatron-LM's flags (it used to train
+    iteration 3 at the old schedule's end, lr 0, without a word);
+    --override-opt_param-scheduler trains iteration 3 at the 3-iteration cosine's lr (closed
+    form), --use-checkpoint-opt_param-scheduler at the checkpoint's min lr, as asked."""
+    import math
+
+    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.preflight import check_resume
+
+    root, s_tok, t_tok = e2e_setup
+    saved = tmp_path / "run"
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "sched_first", [
+        "--train-iters", "2", "--save", str(saved)]))
+    assert _lrs(root, "sched_first") == {1: pytest.approx(1e-3), 2: pytest.approx(5e-4)}
+    shutil.copytree(saved, tmp_path / "kept")
+    longer = ["--train-iters", "3", "--save", str(saved)]
+    argv = _argv(root, s_tok, t_tok, "sched_refused", longer)
+    assert e2e_pool.run(_run_main, argv) == [2] * WORLD
+    assert not (root / "sched_refused.jsonl").exists()  # refused before anything ran
+    with pytest.raises(ValueError, match=r"(?s)--save .*run: the learning-rate schedule .*"
+                       r"decay_steps: checkpoint 8 samples \(2 iterations\), arguments 12 "
+                       r"samples \(3 iterations\).*--override-opt_param-scheduler.*"
+                       r"--use-checkpoint-opt_param-scheduler"):
+        check_resume(parse_args(argv, WORLD))
+
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "sched_override",
+                                  longer + ["--override-opt_param-scheduler"]))
+    cosine_at_2_of_3 = 1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 3))
+    assert _lrs(root, "sched_override") == {3: pytest.approx(cosine_at_2_of_3, rel=1e-9)}
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "sched_kept", [
+        "--train-iters", "3", "--save", str(tmp_path / "kept"),
+        "--use-checkpoint-opt_param-scheduler"]))
+    assert _lrs(root, "sched_kept") == {3: 0.0}
+
+
 @pytest.mark.slow  # 38 s, for the suite's 30-minute budget (resume: the test above)
 def test_resume_into_another_layout_with_the_distributed_optimizer(e2e_setup, e2e_reference,
                                                                    e2e_pool, tmp_path):

@@ -27,8 +27,7 @@ def _check(condition: bool, message: str) -> None:
 
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check sizes and paths up front; fill derived values. Messages say what to change."""
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
+    _check_schedule(args)
     full = args.recompute_granularity == "full"
     _check(not full or (args.recompute_method is not None
                         and args.recompute_num_layers is not None),
@@ -102,26 +101,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
            "(as in Megatron-LM)")
     _check(0 <= args.sgd_momentum < 1, f"--sgd-momentum {args.sgd_momentum} must be in [0, 1)")
-    _check(args.train_iters > 0 and args.lr >= 0, "--train-iters must be > 0 and --lr >= 0")
+    _check(args.lr >= 0, "--lr must be >= 0")
     _check(args.samples_per_epoch is None or args.samples_per_epoch >= args.global_batch_size,
            f"--samples-per-epoch {args.samples_per_epoch} must be at least --global-batch-size "
            f"{args.global_batch_size} (one step's samples)")
     _check(args.samples_per_epoch is None or not getattr(args, "on_policy", False),
            "--samples-per-epoch sizes the packed training plan; --on-policy trains on the "
            "student's own rollouts of the prompts instead: drop --samples-per-epoch")
-    if args.lr_warmup_fraction is not None:
-        _check(args.lr_warmup_iters == 0,
-               "give --lr-warmup-iters or --lr-warmup-fraction, not both")
-        _check(0 <= args.lr_warmup_fraction < 1, "--lr-warmup-fraction must be in [0, 1)")
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_decay_style == "WSD":
-        _check(args.lr_wsd_decay_iters is not None
-               and 0 < args.lr_wsd_decay_iters <= args.lr_decay_iters - args.lr_warmup_iters,
-               "--lr-decay-style WSD needs --lr-wsd-decay-iters N with 0 < N <= decay length "
-               f"- warmup ({args.lr_decay_iters} - {args.lr_warmup_iters})")
-    _check(0 <= args.lr_warmup_iters < args.lr_decay_iters,
-           f"--lr-warmup-iters {args.lr_warmup_iters} must be >= 0 and smaller than the decay "
-           f"length ({args.lr_decay_iters}: --lr-decay-iters, default --train-iters)")
     _check(args.kd_weight > 0 or args.ce_weight > 0 or args.kd_dynamic_scaling,
            "--kd-weight and --ce-weight are both 0: nothing to train")
     _check(not (trains_ce_only(args)
@@ -155,6 +141,53 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                                     os.path.expanduser("~"), ".cache"), "megatron-xdistill",
                                     "data"))
     return args
+
+
+def _check_schedule(args: argparse.Namespace) -> None:
+    """The run's length and learning-rate schedule, in iterations (``--train-iters``) or in
+    samples (``--train-samples``, as Megatron-LM: its ``-samples`` schedule flags); fills
+    ``train_iters`` and the decay length's default."""
+    _check((args.train_iters is None) != (args.train_samples is None),
+           "give the run's length as --train-iters N (iterations) or --train-samples N "
+           "(samples), one of them")
+    _check(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+           "--override-opt_param-scheduler follows the arguments' schedule, "
+           "--use-checkpoint-opt_param-scheduler the checkpoint's: give one of them")
+    if args.lr_warmup_fraction is not None:
+        _check(0 <= args.lr_warmup_fraction < 1, "--lr-warmup-fraction must be in [0, 1)")
+    unit = "iters" if args.train_samples is None else "samples"
+    other = "samples" if unit == "iters" else "iters"
+    given = [f"--lr-{name}-{other}" for name in ("decay", "warmup", "wsd-decay")
+             if getattr(args, f"lr_{name.replace('-', '_')}_{other}") not in (None, 0)]
+    flags = f"--lr-decay-{unit} / --lr-warmup-{unit} / --lr-wsd-decay-{unit}"
+    _check(not given, f"--train-samples counts the schedule in samples: give {flags} instead of "
+           f"{', '.join(given)}" if unit == "samples" else
+           f"{', '.join(given)} count samples and need --train-samples (with --train-iters: "
+           f"{flags})")
+    total = args.train_iters if unit == "iters" else args.train_samples
+    _check(total > 0, f"--train-{unit} must be > 0, got {total}")
+    if unit == "samples":
+        _check(args.train_samples >= args.global_batch_size,
+               f"--train-samples {args.train_samples} is less than one global batch "
+               f"(--global-batch-size {args.global_batch_size})")
+        args.train_iters = args.train_samples // args.global_batch_size
+    decay_flag, warmup_flag = f"lr_decay_{unit}", f"lr_warmup_{unit}"
+    if getattr(args, decay_flag) is None:
+        setattr(args, decay_flag, total)
+    decay, warmup = getattr(args, decay_flag), getattr(args, warmup_flag)
+    if args.lr_warmup_fraction is not None:
+        _check(warmup == 0, f"give --lr-warmup-{unit} or --lr-warmup-fraction, not both")
+        warmup = args.lr_warmup_fraction * decay
+        if unit == "iters":  # the warmup in iterations, for the checks and the log
+            args.lr_warmup_iters = int(warmup)
+    if args.lr_decay_style == "WSD":
+        wsd = getattr(args, f"lr_wsd_decay_{unit}")
+        _check(wsd is not None and 0 < wsd <= decay - warmup,
+               f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} N with 0 < N <= decay length "
+               f"- warmup ({decay} - {warmup:g})")
+    _check(0 <= warmup < decay,
+           f"--lr-warmup-{unit} {warmup:g} must be >= 0 and smaller than the decay "
+           f"length ({decay}: --lr-decay-{unit}, default --train-{unit})")
 
 
 def _check_layout(args: argparse.Namespace, side: str, placement: Placement, world_size: int,

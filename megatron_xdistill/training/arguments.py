@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when resuming, keep a fresh optimizer and LR schedule (Megatron-LM's flag)")
     g.add_argument("--no-load-rng", action="store_true",
                    help="when resuming, keep this run's RNG state (Megatron-LM's flag)")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="when resuming with other learning-rate schedule flags than the "
+                   "checkpoint's (e.g. a longer --train-iters): follow these arguments from the "
+                   "checkpoint's iteration on (Megatron-LM's flag; without it or "
+                   "--use-checkpoint-opt_param-scheduler such a run is refused)")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="when resuming: keep the checkpoint's learning-rate schedule whatever "
+                   "the schedule flags say (Megatron-LM's flag; iterations past its decay train "
+                   "at its --min-lr)")
     g.add_argument("--save", default=None, help="directory for training checkpoints")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between saves")
     g.add_argument("--keep-last-checkpoints", type=int, default=None, metavar="N",
@@ -155,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None,
+                   help="iterations to train (global batches); or --train-samples")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="samples to train, as in Megatron-LM: --train-samples / "
+                   "--global-batch-size iterations, and a learning-rate schedule counted in "
+                   "samples (--lr-decay-samples, --lr-warmup-samples, --lr-wsd-decay-samples)")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="cosine",
@@ -172,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning rate at the start of the warmup")
     g.add_argument("--lr-decay-iters", type=int, default=None,
                    help="default: --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples: the decay length in samples (default: "
+                   "--train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="with --train-samples: the warmup length in samples")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="with --train-samples and WSD: the final decay's length in samples")
     g.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                    help="Megatron's optimizer (sgd: plain SGD with --sgd-momentum)")
     g.add_argument("--sgd-momentum", type=float, default=0.9)

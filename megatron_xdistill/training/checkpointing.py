@@ -36,6 +36,7 @@ from megatron_xdistill.models.model_checkpoint import (
     write_collectively,
 )
 from megatron_xdistill.storage import write_text_atomic
+from megatron_xdistill.training.resume_schedule import scheduler_state
 
 
 def latest_iteration(root: str) -> int | None:
@@ -48,6 +49,15 @@ def latest_iteration(root: str) -> int | None:
     return iteration
 
 
+def read_common_state(root: str) -> dict:
+    """Not collective: the common state of the latest checkpoint under the training root
+    ``root`` (the position, schedule and args every rank agrees on)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no training checkpoint under {root} (no {TRACKER_FILE})")
+    return dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration))
+
+
 def is_training_checkpoint(path: str) -> bool:
     """Whether ``path`` is a training run's root: its tracker names an iteration (a ``release``
     tracker names a released model, which is loaded, not resumed)."""
@@ -57,8 +67,7 @@ def is_training_checkpoint(path: str) -> bool:
 def written_by_this_trainer(root: str) -> bool:
     """Whether the latest checkpoint under the training root ``root`` is one of ours (its
     common state holds our run's position), not another Megatron-LM run's."""
-    iteration = latest_iteration(root)
-    state = dist_checkpointing.load_common_state_dict(iteration_dir(root, iteration))
+    state = read_common_state(root)
     return isinstance(state, dict) and "common" in state
 
 
@@ -215,8 +224,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, dp_cp_group,
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     common_state = dist_checkpointing.load_common_state_dict(path)
-    schedule = common_state.get("opt_param_scheduler", common_state.get("scheduler"))
+    schedule = scheduler_state(common_state)
     if scheduler is not None and schedule is not None:
+        # Only the step count: the scheduler's values were reconciled with the checkpoint's
+        # before it was built (resume_schedule), and it overrides the state's with them.
         scheduler.load_state_dict(schedule)
     rng_path = os.path.join(path, f"rng_rank{dist.get_rank():05d}.pt")
     if load_rng and os.path.exists(rng_path):

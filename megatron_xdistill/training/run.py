@@ -61,34 +61,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
     mcore_compat.install()
+    from megatron_xdistill.training.preflight import check_resume
+
+    try:
+        notes = check_resume(args)
+    except ValueError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     created = init_distributed(args.distributed_timeout_minutes)
     try:
         with run_process_groups():  # the run's layouts and transports end with it
+            for line in notes:
+                _log(line)
             return _train(args, started)
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def _resume_source(args) -> str | None:
-    """The training root to resume: --save if it holds a run, else --load if that is a run
-    (not with --finetune, which takes only --load's weights, as in Megatron-LM); None: --load is
-    a model (converted, or a Megatron-LM 'release') and training starts at iteration 0."""
-    from megatron_xdistill.training.checkpointing import (
-        is_training_checkpoint,
-        written_by_this_trainer,
-    )
+def checkpoint_common(args, iteration: int) -> dict:
+    """What a checkpoint's common state keeps of the run (every rank has the same): the data
+    position and the learning-rate schedule the run follows (a resumed run checks its own
+    against it)."""
+    from megatron_xdistill.training.resume_schedule import SCHEDULE_KEY
 
-    candidates = [("--save", args.save)] + ([] if args.finetune else [("--load", args.load)])
-    for flag, path in candidates:
-        if path and is_training_checkpoint(path):
-            if not written_by_this_trainer(path):
-                raise SystemExit(
-                    f"{flag} {path}: a Megatron-LM training checkpoint, not one of this trainer's "
-                    f"runs; pass --finetune to start distilling from its weights at iteration 0 "
-                    f"(its optimizer and data position belong to the Megatron-LM run)")
-            return path
-    return None
+    return {"consumed_samples": iteration * args.global_batch_size,
+            SCHEDULE_KEY: args.lr_schedule.to_dict()}
 
 
 def _train(args, started: float) -> int:
@@ -99,7 +98,7 @@ def _train(args, started: float) -> int:
     tokenizers = load_tokenizers(args)
     check_vocabularies(args, tokenizers)
     loaded, train_numbering, valid_numbering = read_corpus(args, tokenizers)
-    resume_from = None if args.teacher_cache_only else _resume_source(args)
+    resume_from = args.resume_from  # preflight.check_resume
     num_samples = plan_size(args)
     caches = [None if spec.cache is None else open_teacher_cache(
         spec.view(args), tokenizers, _log, k, num_samples)[0]
@@ -266,8 +265,7 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
                 writer.write({"iteration": iteration, **distiller.evaluate(eval_batches)})
             if args.save and args.save_interval and iteration % args.save_interval == 0:
-                path = distiller.save(args.save, iteration,
-                                      {"consumed_samples": iteration * args.global_batch_size})
+                path = distiller.save(args.save, iteration, checkpoint_common(args, iteration))
                 _log(f"> saved checkpoint {path}")
             if args.exit_interval and iteration % args.exit_interval == 0:
                 _log(f"> exiting at iteration {iteration} (--exit-interval)")
@@ -285,7 +283,6 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
         writer.close()
         distiller.close()
     if args.save and (not args.save_interval or iteration % args.save_interval):
-        path = distiller.save(args.save, iteration,
-                              {"consumed_samples": iteration * args.global_batch_size})
+        path = distiller.save(args.save, iteration, checkpoint_common(args, iteration))
         _log(f"> saved checkpoint {path}")
     return 0

@@ -83,7 +83,8 @@ class StudentSideConfig:
         return cls(load=args.load, tokenizer_model=args.tokenizer_model, seed=args.seed,
                    seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                    micro_batch_size=args.micro_batch_size, ddp=ddp,
-                   optimizer=optimizer, schedule=LRSchedule.from_args(args),
+                   optimizer=optimizer, schedule=getattr(args, "lr_schedule", None)
+                   or LRSchedule.from_args(args),
                    ce_weight=args.ce_weight, kd_dynamic_scaling=bool(args.kd_dynamic_scaling),
                    load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                    model_options=model_options(args, "student"))

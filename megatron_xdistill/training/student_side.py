@@ -269,7 +269,8 @@ class StudentSide:
         t1 = device_now(self.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+        if ok:  # as Megatron-LM: a skipped step (fp16 overflow) does not advance the schedule
+            self.scheduler.step(increment=self.side_config.schedule.step_size)
         t2 = device_now(self.device)
         self.times.student += t1 - t0
         self.times.optimizer += t2 - t1
