@@ -66,8 +66,9 @@ def _parser() -> argparse.ArgumentParser:
 def _hf_to_mcore(args) -> int:
     from conversion.hf_to_mcore import convert_hf_to_mcore, preflight
     from conversion.launch import log, run_distributed
-    from megatron_xdistill.storage import refuse_existing
+    from megatron_xdistill.storage import refuse_existing, require_directory
 
+    require_directory(args.hf_dir, "--hf-dir")
     refuse_existing(args.out, args.overwrite)
     info, _ = preflight(args.hf_dir, args.tp, args.pp)
     log(f"{args.hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}; "
@@ -80,7 +81,11 @@ def _hf_to_mcore(args) -> int:
 def _mcore_to_hf(args) -> int:
     from conversion.launch import run_distributed
     from conversion.mcore_to_hf import convert_mcore_to_hf
+    from megatron_xdistill.storage import require_directory
 
+    require_directory(args.load, "--load")
+    if args.hf_template is not None:
+        require_directory(args.hf_template, "--hf-template")
     run_distributed(convert_mcore_to_hf, 1, args.load, args.out, args.hf_template, args.dtype,
                     args.max_shard_size_gb, args.overwrite)
     return 0
@@ -89,7 +94,10 @@ def _mcore_to_hf(args) -> int:
 def _verify(args) -> int:
     from conversion.launch import log, run_distributed
     from conversion.verify import verify_conversion
+    from megatron_xdistill.storage import require_directory
 
+    require_directory(args.hf_dir, "--hf-dir")
+    require_directory(args.load, "--load")
     metrics = run_distributed(verify_conversion, args.tp * args.cp * args.pp, args.hf_dir,
                               args.load, args.tp, args.pp, args.batch, args.seq_length, args.seed,
                               not args.random_tokens, args.cp)

@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from megatron_xdistill.launch.cli import build_parser, main
+from megatron_xdistill.launch.cli import build_parser, entry_arguments, main
+from megatron_xdistill.launch.config import DEFAULT_ENTRY_POINT
 from megatron_xdistill.launch.rank_env import (
     assign_ranks,
     forwarded_env,
@@ -113,3 +114,36 @@ def test_capture_delivers_lines_from_python_c_and_children():
     assert [x for x in got if x[0] == "stderr"] == [("stderr", "fd2 line")]
     # tee: the original descriptors still saw everything
     assert tee[:2] == ["py line", "child line"] and "fd2 line" in done.stderr
+
+
+@pytest.mark.parametrize("after", [
+    ["--train-iters", "1", "--save", "runs/x"],
+    ["pretrain_xdistill.py", "--train-iters", "1", "--save", "runs/x"],
+    ["/src/megatron-xdistill/pretrain_xdistill.py", "--train-iters", "1", "--save", "runs/x"],
+    ["python", "pretrain_xdistill.py", "--train-iters", "1", "--save", "runs/x"],
+    ["/usr/bin/python3.11", "./pretrain_xdistill.py", "--train-iters", "1", "--save", "runs/x"],
+])
+def test_what_follows_the_separator_may_name_the_script(after):
+    """`xdistill-ray ... -- pretrain_xdistill.py ARGS` as torchrun is called: the script is
+    dropped (each rank calls its main in-process), only ARGS reach its parser."""
+    assert entry_arguments(after, DEFAULT_ENTRY_POINT) == [
+        "--train-iters", "1", "--save", "runs/x"]
+    assert entry_arguments([], DEFAULT_ENTRY_POINT) == []
+
+
+def test_another_entry_point_gets_what_follows_the_separator_as_it_is():
+    assert entry_arguments(["out", "--steps", "3"], "tests.ray_entry:main") == [
+        "out", "--steps", "3"]
+
+
+@pytest.mark.parametrize("after, named", [
+    (["train.py", "--train-iters", "1"], "'train.py'"),
+    (["python", "train.py", "--train-iters", "1"], "'python train.py'"),
+])
+def test_another_script_is_refused_in_one_line_before_anything_starts(after, named, capsys):
+    code = main(["--num-nodes", "1", "--gpus-per-node", "0", "--ranks-per-node", "2", "--",
+                 *after])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("xdistill-ray: error: "), err
+    assert named in err and "arguments of pretrain_xdistill.py" in err

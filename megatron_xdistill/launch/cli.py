@@ -2,6 +2,9 @@
 
     xdistill-ray --num-nodes 2 --gpus-per-node 8 [--address ADDR] -- <pretrain_xdistill.py args>
     xdistill-ray --num-nodes 2 --gpus-per-node 0 --ranks-per-node 4 -- ...   # CPU-only cluster
+
+What follows ``--`` may start with the script, as a torchrun command line does
+(``-- pretrain_xdistill.py --load ...`` or ``-- python pretrain_xdistill.py ...``): it is dropped.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -34,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Launcher options (the entry point's arguments follow ``--``)."""
     p = argparse.ArgumentParser(
         prog="xdistill-ray", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s --num-nodes N --gpus-per-node G [options] -- <pretrain_xdistill.py args>")
+        usage="%(prog)s --num-nodes N --gpus-per-node G [options] -- [pretrain_xdistill.py] "
+              "<its args>")
     p.add_argument("--num-nodes", type=int, required=True, help="nodes (placement groups)")
     p.add_argument("--gpus-per-node", type=int, required=True,
                    help="GPUs (= ranks) per node; 0 for a CPU-only run with --ranks-per-node")
@@ -67,6 +72,34 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
+SCRIPT = "pretrain_xdistill.py"
+_PYTHON = re.compile(r"python[0-9.]*")
+
+
+def _is_script(token: str) -> bool:
+    return os.path.basename(token) == SCRIPT
+
+
+def entry_arguments(after: Sequence[str], entry_point: str) -> list[str]:
+    """The entry point's arguments from what follows ``--``. For pretrain_xdistill's main they
+    may be preceded by the script (``pretrain_xdistill.py``, any path ending so, or ``python
+    pretrain_xdistill.py``), as in a torchrun command line: it is dropped, since each rank calls
+    the main in-process and its parser takes only the arguments. Anything else that is not a
+    flag in the script's place is refused (ValueError) before a rank starts."""
+    after = list(after)
+    if entry_point != DEFAULT_ENTRY_POINT or not after or after[0].startswith("-"):
+        return after
+    if _is_script(after[0]):
+        return after[1:]
+    named = after[0]
+    if _PYTHON.fullmatch(os.path.basename(after[0])) and len(after) > 1:
+        if _is_script(after[1]):
+            return after[2:]
+        named = f"{after[0]} {after[1]}"
+    raise ValueError(f"after -- come the arguments of {SCRIPT}, optionally preceded by the "
+                     f"script ({SCRIPT} --load ...), not {named!r}")
+
+
 class _Terminated(BaseException):
     """SIGTERM, raised in the main thread so that cleanup runs."""
 
@@ -90,6 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     own, entry_args = _split(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(own)
+    try:
+        entry_args = entry_arguments(entry_args, args.entry_point or DEFAULT_ENTRY_POINT)
+    except ValueError as exc:  # one line: nothing has started
+        print(f"xdistill-ray: error: {exc}", file=sys.stderr)
+        return 2
     try:
         config = _config(args, entry_args)
     except ValueError as exc:

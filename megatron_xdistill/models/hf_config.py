@@ -135,6 +135,8 @@ def _load_hf_config(hf_config: Any) -> dict[str, Any]:
         return dict(hf_config)
     if isinstance(hf_config, (str, os.PathLike)):
         path = os.path.join(os.fspath(hf_config), "config.json")
+        if not os.path.isdir(hf_config):
+            raise FileNotFoundError(f"no such directory: {os.fspath(hf_config)}")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{hf_config}: no config.json (not a Hugging Face model folder)")
         with open(path) as fh:

@@ -104,6 +104,9 @@ def resolve_checkpoint_dir(path: str) -> str:
 
 
 def _info_path(path: str) -> str | None:
+    if not os.path.isdir(path):  # named as missing, not as a folder that is no checkpoint
+        raise CheckpointError(f"no such directory: {path}" if not os.path.exists(path) else
+                              f"{path} is a file; a checkpoint is a directory")
     candidates = [os.path.join(path, MODEL_INFO_FILE)]
     if os.path.isfile(os.path.join(path, TRACKER_FILE)):
         candidates.insert(0, os.path.join(resolve_checkpoint_dir(path), MODEL_INFO_FILE))

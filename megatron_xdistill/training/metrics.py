@@ -24,6 +24,36 @@ MEGATRON_TAGS = {
 }
 
 
+#: the lines that refuse a metrics destination without its package (an optional extra each)
+TENSORBOARD_MISSING = ("--tensorboard-dir needs the tensorboard package: pip install "
+                       "'megatron-xdistill[tensorboard]' (or pip install tensorboard)")
+WANDB_MISSING = ("--wandb-project needs the wandb package: pip install 'megatron-xdistill[wandb]' "
+                 "(or pip install wandb)")
+
+
+def _summary_writer():
+    """TensorBoard's ``SummaryWriter`` class, or None without the tensorboard package."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch.utils.tensorboard imports tensorboard: an optional extra
+        return None
+    return SummaryWriter
+
+
+def missing_writer_package(tensorboard_dir: str | None, wandb_project: str | None) -> str | None:
+    """The line refusing a metrics destination asked for whose package is not installed (None
+    when every one asked for can be written), so a run can refuse it before it starts rather
+    than when its first metrics are written."""
+    if tensorboard_dir and _summary_writer() is None:
+        return TENSORBOARD_MISSING
+    if wandb_project:
+        try:
+            import wandb  # noqa: F401 - only whether it imports
+        except ImportError:
+            return WANDB_MISSING
+    return None
+
+
 def json_safe(record: Mapping) -> dict:
     """The record with every non-finite float as None (strict JSON: null, never NaN)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -56,26 +86,22 @@ class MetricsWriter:
         self._wandb = None
         if not enabled:
             return
+        summary_writer = _summary_writer() if tensorboard_dir else None
+        if tensorboard_dir and summary_writer is None:  # before a file or a wandb run is opened
+            raise RuntimeError(TENSORBOARD_MISSING)
         if wandb is not None:
             try:
                 import wandb as wandb_module
             except ImportError as exc:  # an optional extra
-                raise RuntimeError("--wandb-project needs the wandb package: pip install wandb"
-                                   ) from exc
+                raise RuntimeError(WANDB_MISSING) from exc
             if wandb.get("dir"):
                 os.makedirs(wandb["dir"], exist_ok=True)
             self._wandb = wandb_module.init(**{k: v for k, v in wandb.items() if v is not None})
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self._file = open(metrics_file, "a", buffering=1)
-        if tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:  # tensorboard is an optional extra
-                raise RuntimeError(
-                    "--tensorboard-dir needs the tensorboard package: pip install tensorboard"
-                ) from exc
-            self._tb = SummaryWriter(log_dir=tensorboard_dir)
+        if summary_writer is not None:
+            self._tb = summary_writer(log_dir=tensorboard_dir)
 
     def write(self, record: Mapping[str, float | int | str], line: str | None = None) -> None:
         """Log one record; ``line`` is the human progress line (default: built from record)."""
