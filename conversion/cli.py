@@ -60,7 +60,33 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--max-rel-diff", type=float, default=1e-3,
                      help="fail (exit 1) above this max |diff| / max |HF logit|")
     ver.add_argument("--json", default=None, help="also write the metrics to this file")
+    for command in (imp, exp, ver):
+        command.add_argument("--dry-run", action="store_true",
+                             help="check the inputs (paths, the model's configuration against "
+                             "the layout, the checkpoint's description, the tensors' names and "
+                             "shapes where weights are there) and exit: nothing is converted")
     return parser
+
+
+def _dry_run_hf(hf_dir: str, tp: int, pp: int, cp: int = 1) -> str:
+    """``--dry-run`` of an HF folder: its configuration and layout, and its tensors' names and
+    shapes from their headers when it holds weights (said when it does not)."""
+    from conversion.mapping import check_hf_tensors
+    from conversion.safetensors_io import SafetensorsFolder
+    from megatron_xdistill.models.hf_config import check_layout, model_info_from_hf
+
+    info = model_info_from_hf(hf_dir)
+    check_layout(info, tp, pp, cp)
+    try:
+        folder = SafetensorsFolder(hf_dir)
+    except FileNotFoundError:
+        tensors = "no weights there: tensor names and shapes not checked"
+    else:
+        with folder:
+            check_hf_tensors(folder, info)
+        tensors = "tensor names and shapes checked"
+    return (f"{hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}, "
+            f"fits TP {tp} x PP {pp} x CP {cp}; {tensors}")
 
 
 def _hf_to_mcore(args) -> int:
@@ -70,6 +96,9 @@ def _hf_to_mcore(args) -> int:
 
     require_directory(args.hf_dir, "--hf-dir")
     refuse_existing(args.out, args.overwrite)
+    if args.dry_run:
+        log(f"dry run: {_dry_run_hf(args.hf_dir, args.tp, args.pp)}; would write {args.out}")
+        return 0
     info, _ = preflight(args.hf_dir, args.tp, args.pp)
     log(f"{args.hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}; "
         f"{args.tp * args.pp} rank(s)")
@@ -86,6 +115,16 @@ def _mcore_to_hf(args) -> int:
     require_directory(args.load, "--load")
     if args.hf_template is not None:
         require_directory(args.hf_template, "--hf-template")
+    if args.dry_run:
+        from conversion.launch import log
+        from megatron_xdistill.models.description import load_model_info
+        from megatron_xdistill.storage import refuse_existing
+
+        refuse_existing(args.out, args.overwrite)
+        info = load_model_info(args.load)
+        log(f"dry run: {args.load}: {info.architecture}, {info.num_layers} layers, vocab "
+            f"{info.vocab_size}; would write {args.out}")
+        return 0
     run_distributed(convert_mcore_to_hf, 1, args.load, args.out, args.hf_template, args.dtype,
                     args.max_shard_size_gb, args.overwrite)
     return 0
@@ -98,6 +137,13 @@ def _verify(args) -> int:
 
     require_directory(args.hf_dir, "--hf-dir")
     require_directory(args.load, "--load")
+    if args.dry_run:
+        from megatron_xdistill.models.description import load_model_info
+
+        info = load_model_info(args.load)
+        log(f"dry run: {_dry_run_hf(args.hf_dir, args.tp, args.pp, args.cp)}; --load "
+            f"{args.load}: {info.architecture}, vocab {info.vocab_size}")
+        return 0
     metrics = run_distributed(verify_conversion, args.tp * args.cp * args.pp, args.hf_dir,
                               args.load, args.tp, args.pp, args.batch, args.seq_length, args.seed,
                               not args.random_tokens, args.cp)

@@ -103,3 +103,20 @@ def e2e_pool():
 
     with RankPool(WORLD) as ranks:
         yield ranks
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A complete, valid ``pretrain_xdistill.py`` command line over empty stand-in folders: what
+    argument tests change one flag of (nothing is loaded by parsing and validating it)."""
+    for name in ("student", "teacher", "s_tok", "t_tok"):
+        (tmp_path / name).mkdir()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "x"}\n')
+    return [
+        "--load", str(tmp_path / "student"), "--teacher-load", str(tmp_path / "teacher"),
+        "--tokenizer-model", str(tmp_path / "s_tok"),
+        "--teacher-tokenizer-model", str(tmp_path / "t_tok"),
+        "--data-path", str(data), "--seq-length", "64", "--micro-batch-size", "1",
+        "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-4",
+    ]

@@ -10,21 +10,6 @@ import torch
 from megatron_xdistill.training.argument_checks import parse_args
 
 
-@pytest.fixture
-def base(tmp_path):
-    for name in ("student", "teacher", "s_tok", "t_tok"):
-        (tmp_path / name).mkdir()
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"text": "x"}\n')
-    return [
-        "--load", str(tmp_path / "student"), "--teacher-load", str(tmp_path / "teacher"),
-        "--tokenizer-model", str(tmp_path / "s_tok"),
-        "--teacher-tokenizer-model", str(tmp_path / "t_tok"),
-        "--data-path", str(data), "--seq-length", "64", "--micro-batch-size", "1",
-        "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-4",
-    ]
-
-
 def test_defaults_are_derived(base):
     args = parse_args(base, world_size=4)
     assert args.teacher_seq_length is None  # derived from the data when the run starts

@@ -83,6 +83,19 @@ def _run_main(argv: list[str]) -> int:
     return main(argv)
 
 
+def refusal(argv: list[str], world: int = WORLD) -> str:
+    """The one message ``pretrain_xdistill.py`` refuses ``argv`` with, from the checks it makes
+    before anything is built (what rank 0 prints; its ranks then exit with code 2)."""
+    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.preflight import check_model_shapes, run_preflight
+    from megatron_xdistill.training.user_errors import InputError
+
+    args = parse_args(argv, world)
+    with pytest.raises(InputError) as err:
+        run_preflight(args, check_model_shapes(args))
+    return str(err.value)
+
+
 def _process_group_count() -> int:
     import torch.distributed as dist
 
@@ -254,9 +267,6 @@ def test_a_resumed_run_with_another_schedule_follows_the_flag_or_is_refused(e2e_
     form), --use-checkpoint-opt_param-scheduler at the checkpoint's min lr, as asked."""
     import math
 
-    from megatron_xdistill.training.argument_checks import parse_args
-    from megatron_xdistill.training.preflight import check_resume
-
     root, s_tok, t_tok = e2e_setup
     saved = tmp_path / "run"
     e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "sched_first", [
@@ -267,6 +277,9 @@ def test_a_resumed_run_with_another_schedule_follows_the_flag_or_is_refused(e2e_
     argv = _argv(root, s_tok, t_tok, "sched_refused", longer)
     assert e2e_pool.run(_run_main, argv) == [2] * WORLD
     assert not (root / "sched_refused.jsonl").exists()  # refused before anything ran
+    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.preflight import check_resume
+
     with pytest.raises(ValueError, match=r"(?s)--save .*run: the learning-rate schedule .*"
                        r"decay_steps: checkpoint 8 samples \(2 iterations\), arguments 12 "
                        r"samples \(3 iterations\).*--override-opt_param-scheduler.*"
@@ -281,6 +294,48 @@ def test_a_resumed_run_with_another_schedule_follows_the_flag_or_is_refused(e2e_
         "--train-iters", "3", "--save", str(tmp_path / "kept"),
         "--use-checkpoint-opt_param-scheduler"]))
     assert _lrs(root, "sched_kept") == {3: 0.0}
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "1024"]],
+                         ids=["bf16", "fp16"])
+def test_sixteen_bit_runs_follow_the_reference_save_and_resume(e2e_setup, e2e_reference,
+                                                               e2e_pool, tmp_path, precision):
+    """--bf16, and --fp16 with Megatron-Core's loss scaling: each step's losses are the fp32
+    reference's to 16-bit precision, no step overflows at a scale of 1024, and a run stopped
+    after step 1 and resumed gives the uninterrupted run's losses exactly (every --bf16 save
+    failed before: the norms' weights stayed fp32, which Megatron's 16-bit optimizer does not
+    checkpoint)."""
+    root, s_tok, t_tok = e2e_setup
+    name = precision[0][2:]
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, f"{name}_whole",
+                                  [*precision, "--save", str(tmp_path / "whole")]))
+    part = [*precision, "--save", str(tmp_path / "part"), "--save-interval", "1"]
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, f"{name}_part",
+                                  part + ["--exit-interval", "1"]))
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, f"{name}_part", part))
+    whole = _losses(root, f"{name}_whole")
+    assert _losses(root, f"{name}_part") == whole
+    assert len(whole) == STEPS
+    for step, ((kd, ce), (kd_ref, ce_ref)) in enumerate(zip(whole, e2e_reference), 1):
+        assert kd == pytest.approx(kd_ref, rel=2e-2), f"{name} step {step} kd"
+        assert ce == pytest.approx(ce_ref, rel=2e-3), f"{name} step {step} ce"
+    records = [json.loads(x) for x in (root / f"{name}_whole.jsonl").read_text().splitlines()]
+    assert all(r["skipped"] == 0 for r in records if "skipped" in r)
+    if name == "fp16":
+        assert [r["loss_scale"] for r in records if "loss_scale" in r] == [1024.0] * STEPS
+
+
+def test_fp16_overflowing_steps_are_skipped_without_advancing_the_schedule(e2e_setup, e2e_pool):
+    """--fp16 at Megatron-LM's first loss scale (2^32): the scaled gradients overflow, every
+    step is skipped, the learning rate stays where the schedule starts (a skipped step does not
+    advance it, as in Megatron-LM) and the scale backs off once the hysteresis (2) is spent."""
+    root, s_tok, t_tok = e2e_setup
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "fp16_overflow", ["--fp16"]))
+    records = [json.loads(x) for x in (root / "fp16_overflow.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "skipped" in r]
+    assert [r["skipped"] for r in steps] == [1] * STEPS
+    assert [r["lr"] for r in steps] == [1e-3] * STEPS
+    assert [r["loss_scale"] for r in steps] == [2.0 ** 32, 2.0 ** 31, 2.0 ** 30]
 
 
 @pytest.mark.slow  # 38 s, for the suite's 30-minute budget (resume: the test above)

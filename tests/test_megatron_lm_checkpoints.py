@@ -222,7 +222,7 @@ def _resume_sources(root: str) -> dict:
     """Rank 0 of 1: which --load / --save roots a run resumes, with and without --finetune."""
     from megatron.core import dist_checkpointing
 
-    from megatron_xdistill.training.run import _resume_source
+    from megatron_xdistill.training.preflight import resume_source
 
     def checkpoint(name: str, tracker: str, folder: str, state: dict) -> str:
         path = os.path.join(root, name)
@@ -241,11 +241,13 @@ def _resume_sources(root: str) -> dict:
                       {"common": {"consumed_samples": 8}, "iteration": 2})
 
     def source(**given) -> str | None:
-        flags = {"save": None, "load": None, "finetune": False, **given}
+        flags = {"save": None, "load": None, "finetune": False, "teacher_cache_only": False,
+                 **given}
         try:
-            return _resume_source(argparse.Namespace(**flags))
-        except SystemExit as exc:
+            found = resume_source(argparse.Namespace(**flags))
+        except ValueError as exc:
             return f"refused: {exc}"
+        return None if found is None else found[1]
 
     names = {mlm: "mlm", release: "release", ours: "ours", None: None}
     out = {"ours": source(load=ours), "ours --finetune": source(load=ours, finetune=True),

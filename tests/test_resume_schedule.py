@@ -20,16 +20,12 @@ from megatron_xdistill.training.resume_schedule import (
 
 
 @pytest.fixture
-def base(tmp_path):
-    for name in ("student", "teacher", "s_tok", "t_tok"):
-        (tmp_path / name).mkdir()
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"text": "x"}\n')
-    return ["--load", str(tmp_path / "student"), "--teacher-load", str(tmp_path / "teacher"),
-            "--tokenizer-model", str(tmp_path / "s_tok"),
-            "--teacher-tokenizer-model", str(tmp_path / "t_tok"), "--data-path", str(data),
-            "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
-            "--lr", "1.0"]
+def base(base):
+    """The shared command line (conftest) with its length left to each test, at --lr 1."""
+    at = base.index("--train-iters")
+    argv = base[:at] + base[at + 2:]
+    argv[argv.index("--lr") + 1] = "1.0"
+    return argv
 
 
 def _cosine(samples: float, warmup: float, decay: float, lr=1.0, min_lr=0.0) -> float:

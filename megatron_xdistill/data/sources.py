@@ -132,10 +132,7 @@ def _check_column(path: str, field: str, names: Sequence[str]) -> None:
 
 def _texts(path: str, field: str, column) -> list[str]:
     """The strings of an Arrow text column (a null is an empty document)."""
-    import pyarrow as pa
-
-    if not pa.types.is_string(column.type) and not pa.types.is_large_string(column.type):
-        raise ValueError(f"{path}: column {field!r} must hold strings, got {column.type}")
+    _check_string_type(path, field, column.type)
     return [value if value is not None else "" for value in column.to_pylist()]
 
 
@@ -203,6 +200,50 @@ def read_documents(path: str, text_field: str = "text",
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     raise ValueError(f"{path}: unsupported file type; expected one of {sorted(SUFFIXES)}")
+
+
+#: Records (JSON Lines) or bytes (plain text) a first read of each file checks.
+FIRST_RECORDS = 16
+FIRST_BYTES = 1 << 16
+
+
+def check_first_records(path: str, text_field: str = "text") -> None:
+    """The first records of one file as its full read would see them, so that a wrong
+    ``--text-field``, a file that is no JSON Lines or not UTF-8 at its start is refused in a
+    moment before a run reads its corpus (a fault further in is found by that read, named the
+    same way). Columns of Parquet / Arrow files are read from their schema only; Megatron
+    indexed datasets are checked when decoded."""
+    if is_indexed_prefix(path):
+        return
+    kind = SUFFIXES.get(Path(path).suffix.lower())
+    if kind == "jsonl":
+        for count, (lineno, line) in enumerate(_jsonl_documents(path)):
+            _jsonl_text(line, f"{path}:{lineno}", text_field)
+            if count + 1 >= FIRST_RECORDS:
+                break
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(path)
+        _check_column(path, text_field, schema.names)
+        _check_string_type(path, text_field, schema.field(text_field).type)
+    elif kind == "text":
+        import codecs
+
+        with open(path, "rb") as fh:
+            head = fh.read(FIRST_BYTES)
+        try:  # a character cut at the end of the piece is not an error
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") \
+                from None
+
+
+def _check_string_type(path: str, field: str, kind) -> None:
+    import pyarrow as pa
+
+    if not pa.types.is_string(kind) and not pa.types.is_large_string(kind):
+        raise ValueError(f"{path}: column {field!r} must hold strings, got {kind}")
 
 
 def read_documents_at(path: str, indices: Sequence[int], text_field: str = "text",

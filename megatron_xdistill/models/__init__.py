@@ -30,37 +30,52 @@ attention_dropout, init_method_std, hf_dtype, make_vocab_size_divisible_by, hf_c
 ``>= vocab_size`` are padding and never real tokens.
 """
 
-from megatron_xdistill.models.builder import (
-    build_gpt_model,
-    build_model_for_layout,
-    check_layout,
-    config_from_hf,
-    torch_dtype,
-    transformer_config,
-)
-from megatron_xdistill.models.hf_config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelInfo,
-    RopeScaling,
-    UnsupportedModelError,
-    model_info_from_hf,
-)
-from megatron_xdistill.models.model_checkpoint import (
-    HF_FILES_DIR,
-    MODEL_INFO_FILE,
-    CheckpointError,
-    check_tokenizer_fits,
-    copy_hf_files,
-    hf_files_dir,
-    keep_hf_files,
-    load_megatron_checkpoint,
-    load_model_info,
-    read_model_json,
-    resolve_checkpoint_dir,
-    save_megatron_checkpoint,
-    save_model_info,
-    sharded_model_state_dict,
-)
+import importlib
+
+#: Exported name -> the submodule that defines it. Imported on first use: the model description
+#: (``load_model_info``, ``ModelInfo``) needs no Megatron-Core, so a run can check its inputs
+#: before the seconds that importing Megatron-Core takes.
+_EXPORTS = {
+    "CheckpointError": "description",
+    "HF_FILES_DIR": "model_checkpoint",
+    "MODEL_INFO_FILE": "description",
+    "ModelInfo": "hf_config",
+    "RopeScaling": "hf_config",
+    "SUPPORTED_ARCHITECTURES": "hf_config",
+    "UnsupportedModelError": "hf_config",
+    "build_gpt_model": "builder",
+    "build_model_for_layout": "builder",
+    "check_layout": "hf_config",
+    "check_tokenizer_fits": "description",
+    "config_from_hf": "builder",
+    "copy_hf_files": "model_checkpoint",
+    "hf_files_dir": "model_checkpoint",
+    "keep_hf_files": "model_checkpoint",
+    "load_megatron_checkpoint": "model_checkpoint",
+    "load_model_info": "description",
+    "model_info_from_hf": "hf_config",
+    "read_model_json": "description",
+    "resolve_checkpoint_dir": "description",
+    "save_megatron_checkpoint": "model_checkpoint",
+    "save_model_info": "description",
+    "sharded_model_state_dict": "model_checkpoint",
+    "torch_dtype": "builder",
+    "transformer_config": "builder",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "HF_FILES_DIR",

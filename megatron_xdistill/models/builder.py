@@ -18,7 +18,11 @@ from megatron.core.transformer import TransformerConfig
 
 from megatron_xdistill.mcore import compat as mcore_compat
 from megatron_xdistill.models import gemma3
-from megatron_xdistill.models.hf_config import ModelInfo, model_info_from_hf
+from megatron_xdistill.models.hf_config import (  # noqa: F401 - check_layout: this API too
+    ModelInfo,
+    check_layout,
+    model_info_from_hf,
+)
 from megatron_xdistill.models.specs import (
     TorchRMSNorm,
     gpt_layer_spec,
@@ -45,20 +49,6 @@ def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if key not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use one of bf16, fp16, fp32")
     return _DTYPES[key]
-
-
-def check_layout(info: ModelInfo, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
-    """Raise ValueError naming the size that does not divide the model."""
-    for what, total, size, flag in (
-        ("attention heads", info.num_attention_heads, tp, "TP"),
-        ("query groups (KV heads)", info.num_query_groups, tp, "TP"),
-        ("layers", info.num_layers, pp, "PP"),
-    ):
-        if total % size:
-            raise ValueError(f"{info.architecture}: {total} {what} are not divisible by "
-                             f"{flag}={size}; choose a {flag} size that divides {total}")
-    if cp < 1:
-        raise ValueError(f"context-parallel size must be >= 1, got {cp}")
 
 
 def transformer_config(

@@ -301,3 +301,17 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         hf_config=cfg,
     )
+
+
+def check_layout(info: ModelInfo, tp: int = 1, pp: int = 1, cp: int = 1) -> None:
+    """Raise ValueError naming the size that does not divide the model."""
+    for what, total, size, flag in (
+        ("attention heads", info.num_attention_heads, tp, "TP"),
+        ("query groups (KV heads)", info.num_query_groups, tp, "TP"),
+        ("layers", info.num_layers, pp, "PP"),
+    ):
+        if total % size:
+            raise ValueError(f"{info.architecture}: {total} {what} are not divisible by "
+                             f"{flag}={size}; choose a {flag} size that divides {total}")
+    if cp < 1:
+        raise ValueError(f"context-parallel size must be >= 1, got {cp}")

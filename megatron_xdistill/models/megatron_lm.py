@@ -147,7 +147,7 @@ def megatron_lm_cannot_express(info: ModelInfo) -> str | None:
 
 
 def megatron_lm_args(info: ModelInfo, *, tp: int, pp: int, cp: int, seq_length: int,
-                     bf16: bool, iteration: int, consumed_samples: int
+                     bf16: bool, iteration: int, consumed_samples: int, fp16: bool = False
                      ) -> argparse.Namespace | None:
     """Megatron-LM's ``args`` for a checkpoint of ``info``: the architecture flags its
     ``--use-checkpoint-args`` and conversion tools read, under its names. None for a model
@@ -172,7 +172,7 @@ def megatron_lm_args(info: ModelInfo, *, tp: int, pp: int, cp: int, seq_length: 
         padded_vocab_size=info.padded_vocab_size(tp),
         make_vocab_size_divisible_by=info.make_vocab_size_divisible_by,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=cp, bf16=bf16, fp16=False, params_dtype=None,
+        context_parallel_size=cp, bf16=bf16, fp16=fp16, params_dtype=None,
         iteration=iteration, consumed_train_samples=consumed_samples,
         ckpt_format="torch_dist",
     )

@@ -24,12 +24,15 @@ class TorchRMSNorm(torch.nn.RMSNorm):
     """``torch.nn.RMSNorm`` with Megatron's norm constructor (``config, hidden_size, eps``).
 
     Its weight carries ``sequence_parallel``, so with sequence parallelism (each TP rank
-    normalises its part of the sequence) Megatron reduces the weight's gradient over TP.
+    normalises its part of the sequence) Megatron reduces the weight's gradient over TP. It is
+    in the model's parameter dtype, as every other weight and as Megatron-LM's Float16Module
+    makes it: Megatron's bf16 / fp16 optimizer checkpoints its fp32 main copies of the 16-bit
+    parameters only (a weight left in fp32 made every --bf16 save fail).
     """
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
                  **unused) -> None:
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 

@@ -15,17 +15,20 @@ def run_key(*, teacher_checkpoint: str, bf16: bool, student_vocab_hash: str,
             teacher_vocab_hash: str, sources: Sequence, text_field: str, seq_length: int,
             teacher_seq_length: int, seed: int, num_samples: int, form: str, topk: int,
             temperature: float, numel: int, common_teacher_ids=None,
-            split: str | None = None, packed_with: Sequence | None = None) -> dict:
+            split: str | None = None, packed_with: Sequence | None = None,
+            fp16: bool = False) -> dict:
     """Nested key: ``teacher``, ``tokenizers``, ``data`` (files by name and size: a copied
     corpus keeps its cache; each sample's tokens are checked on read anyway) and ``payload``.
     ``packed_with``: with several teachers, every teacher's (vocabulary hash, sequence length),
-    since all of them decide where samples are cut."""
+    since all of them decide where samples are cut. ``bf16`` / ``fp16``: the teacher's
+    precision."""
     common = None
     if common_teacher_ids is not None:
         ids = torch.as_tensor(common_teacher_ids, dtype=torch.int64).numpy().tobytes()
         common = "sha256:" + hashlib.sha256(ids).hexdigest()
     return {
-        "teacher": {"checkpoint": teacher_checkpoint, "precision": "bf16" if bf16 else "fp32"},
+        "teacher": {"checkpoint": teacher_checkpoint, "precision": "bf16" if bf16 else
+                    "fp16" if fp16 else "fp32"},
         "tokenizers": {"student": student_vocab_hash, "teacher": teacher_vocab_hash},
         "data": {"files": [[os.path.basename(s.path), source_size(s.path), s.weight]
                            for s in sources],

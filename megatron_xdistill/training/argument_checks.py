@@ -18,6 +18,7 @@ from megatron_xdistill.training.arguments import (
     parse_command_line,
     trains_ce_only,
 )
+from megatron_xdistill.training.megatron_flags import check_megatron_lm_arguments
 
 
 def _check(condition: bool, message: str) -> None:
@@ -28,6 +29,7 @@ def _check(condition: bool, message: str) -> None:
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check sizes and paths up front; fill derived values. Messages say what to change."""
     _check_schedule(args)
+    check_megatron_lm_arguments(args, _check)
     full = args.recompute_granularity == "full"
     _check(not full or (args.recompute_method is not None
                         and args.recompute_num_layers is not None),
@@ -121,6 +123,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         from megatron_xdistill.data.split import check_split
 
         check_split(args.split)
+    _check(args.load is not None or args.teacher_cache_only,
+           "--load is required: the student's checkpoint (a converted model, xdistill-convert "
+           "hf-to-mcore, or a run to resume); only --teacher-cache-only runs without a student")
     _check_teacher_cache(args)
     check_onpolicy_args(args, _check)
     for flag, path in (("--load", args.load), ("--tokenizer-model", args.tokenizer_model),

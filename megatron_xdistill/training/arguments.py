@@ -14,6 +14,10 @@ from megatron_xdistill.onpolicy.arguments import add_onpolicy_arguments
 from megatron_xdistill.parallel.placement import PLACEMENTS
 from megatron_xdistill.teachers.spec import COMBINATIONS
 from megatron_xdistill.training.config_file import parse_with_config
+from megatron_xdistill.training.megatron_flags import (
+    MegatronArgumentParser,
+    add_megatron_lm_arguments,
+)
 
 KD_LOSSES = ("pkl", "gold", "hkl")
 TOPK_MODES = ("global", "chunk")
@@ -34,12 +38,17 @@ def _parallel(parser: argparse.ArgumentParser, prefix: str, who: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """All arguments, grouped as in Megatron-LM."""
-    p = argparse.ArgumentParser(
+    p = MegatronArgumentParser(
         prog="pretrain_xdistill.py",
         description="Cross-tokenizer knowledge distillation on Megatron-Core "
         "(run with torchrun).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument("--dry-run", action="store_true",
+                   help="check every input and exit: the arguments, each model's configuration "
+                   "against its layout, the resume point and its learning-rate schedule, the "
+                   "tokenizers against the checkpoints and the projections, the first records "
+                   "of the data files and the teacher caches; nothing is built or trained")
     p.add_argument("--config", default=None, metavar="RUN.yaml",
                    help="YAML file of these arguments (keys: the flag names, grouped or not: "
                    "teacher: {load: ...}), followed by dotted key=value overrides; flags given "
@@ -78,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per recompute group (uniform) or per stage (block)")
 
     g = p.add_argument_group("checkpoints")
-    g.add_argument("--load", required=True,
-                   help="student checkpoint: a converted model (xdistill-convert), a --save dir "
+    g.add_argument("--load", default=None,
+                   help="required unless --teacher-cache-only (which builds no student). "
+                   "Student checkpoint: a converted model (xdistill-convert), a --save dir "
                    "(resumed), or a Megatron-LM / Megatron-Bridge torch_dist checkpoint root "
                    "('release' tracker, or with --finetune)")
     g.add_argument("--teacher-load", default=None,
@@ -287,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "weights 1 / 1 on one held-out set and was noisier on the other")
 
     add_onpolicy_arguments(p)
+    add_megatron_lm_arguments(p)
 
     g = p.add_argument_group("several teachers")
     g.add_argument("--teachers-config", default=None, metavar="TEACHERS.yaml",

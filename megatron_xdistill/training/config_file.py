@@ -89,7 +89,7 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argpa
     (OmegaConf, as NeMo-RL / Megatron-Bridge runs are written) gives defaults for every flag and
     flags given on the command line win. Argparse errors exit with usage; a bad config raises
     ValueError."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
     if known.config is None:

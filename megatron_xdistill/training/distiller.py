@@ -110,6 +110,26 @@ class TeacherLane:
         return self.cache is not None and self.cache.reading
 
 
+@dataclass(frozen=True)
+class _StudentVocabulary:
+    """The student's vocabulary where no student model is loaded (a ``--teacher-cache-only``
+    pass without ``--load``): what the teachers' payloads need of the student."""
+
+    vocab_size: int
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """As ``ModelInfo.padded_vocab_size`` at its default multiple (no student model
+        reads it in a cache pass; the loss's shapes are built from it all the same)."""
+        multiple = 128 * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+def _vocabulary_of(tokenizer_model: str) -> _StudentVocabulary:
+    from megatron_xdistill.align import load_tokenizer
+
+    return _StudentVocabulary(len(load_tokenizer(tokenizer_model)))
+
+
 class Distiller:
     """Sets up both sides and the transport between them; runs steps and evaluation."""
 
@@ -184,7 +204,8 @@ class Distiller:
                              world=teacher_world)
                  for v, info, groups, run, teacher_world in zip(
                      views, infos, teacher_groups, runs, teacher_worlds, strict=True)]
-        student_info = models_api.load_model_info(args.load)
+        student_info = (models_api.load_model_info(args.load) if args.load is not None
+                        else _vocabulary_of(args.tokenizer_model))  # --teacher-cache-only
         self.student = None
         if has_student:
             self.student = StudentSide(StudentSideConfig.from_args(args), student_info,

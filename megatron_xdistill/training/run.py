@@ -15,7 +15,6 @@ import torch.distributed as dist
 from megatron_xdistill.mcore import compat as mcore_compat
 from megatron_xdistill.parallel.group_scope import run_process_groups
 from megatron_xdistill.training.run_data import (
-    check_vocabularies,
     document_share,
     load_tokenizers,
     packing_plan,
@@ -26,8 +25,9 @@ from megatron_xdistill.training.run_data import (
 from megatron_xdistill.training.run_data import log as _log
 
 
-def init_distributed(timeout_minutes: float) -> bool:
-    """torch.distributed from torchrun's environment (a single process works without torchrun).
+def init_distributed(timeout_minutes: float, backend: str | None = None) -> bool:
+    """torch.distributed from torchrun's environment (a single process works without torchrun);
+    ``backend``: ``--distributed-backend`` (default: nccl with CUDA, gloo without).
 
     Returns whether it created the process group (an existing one, e.g. a launcher's, is used).
     """
@@ -38,7 +38,7 @@ def init_distributed(timeout_minutes: float) -> bool:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    backend = mcore_compat.default_backend()
+    backend = backend or mcore_compat.default_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend=backend,
@@ -50,8 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the process exit code. Arguments are parsed and checked first
     (``--help`` and every argument error come before torch.distributed or Megatron start)."""
     from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.run_log import quiet_known_warnings
 
     started = time.monotonic()
+    quiet_known_warnings()  # before Megatron-Core's import-time warnings
     world = dist.get_world_size() if dist.is_initialized() else int(
         os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -60,24 +62,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    mcore_compat.install()
-    from megatron_xdistill.training.preflight import check_resume
+    from megatron_xdistill.training.preflight import check_model_shapes, run_preflight
+    from megatron_xdistill.training.user_errors import InputError, report
 
     try:
-        notes = check_resume(args)
-    except ValueError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    created = init_distributed(args.distributed_timeout_minutes)
+        found = check_model_shapes(args)  # before Megatron-Core is imported: in a moment
+        mcore_compat.install()
+        run_preflight(args, found)
+    except InputError as exc:
+        return report(exc)
+    if args.dry_run:
+        _print_dry_run(found, time.monotonic() - started)
+        return 0
+    created = init_distributed(args.distributed_timeout_minutes, args.distributed_backend)
     try:
         with run_process_groups():  # the run's layouts and transports end with it
-            for line in notes:
+            from megatron_xdistill.training.run_log import arguments_block
+
+            _log(arguments_block(args))
+            for line in found.notes:
                 _log(line)
             return _train(args, started)
+    except InputError as exc:  # found while reading the inputs (rank 0's corpus, packing)
+        return report(exc, dist.get_rank())
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def _print_dry_run(found, seconds: float) -> None:
+    """``--dry-run``: what was checked, on rank 0."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    print("> dry run: every input checked, nothing built or trained", flush=True)
+    for line in found.notes:
+        print(line, flush=True)
+    for what, spent in found.checked:
+        print(f"  ok  {what} ({spent:.1f} s)", flush=True)
+    print(f"> dry run passed in {seconds:.1f} s", flush=True)
 
 
 def checkpoint_common(args, iteration: int) -> dict:
@@ -93,16 +115,19 @@ def checkpoint_common(args, iteration: int) -> dict:
 def _train(args, started: float) -> int:
     from megatron_xdistill.training.distiller import Distiller
     from megatron_xdistill.training.teacher_cache_run import open_teacher_cache
+    from megatron_xdistill.training.user_errors import reading_inputs
 
     torch.manual_seed(args.seed)
-    tokenizers = load_tokenizers(args)
-    check_vocabularies(args, tokenizers)
-    loaded, train_numbering, valid_numbering = read_corpus(args, tokenizers)
-    resume_from = args.resume_from  # preflight.check_resume
-    num_samples = plan_size(args)
-    caches = [None if spec.cache is None else open_teacher_cache(
-        spec.view(args), tokenizers, _log, k, num_samples)[0]
-        for k, spec in enumerate(args.teachers)]
+    # Every rank computes the same here (rank 0's read of the corpus reaches all of them): an
+    # error is reported by rank 0 alone.
+    with reading_inputs():  # the tokenizers, rank 0's read of the corpus, the caches' keys
+        tokenizers = load_tokenizers(args)  # loaded by the preflight already: kept per process
+        loaded, train_numbering, valid_numbering = read_corpus(args, tokenizers)
+        resume_from = args.resume_from  # preflight.check_resume
+        num_samples = plan_size(args)
+        caches = [None if spec.cache is None else open_teacher_cache(
+            spec.view(args), tokenizers, _log, k, num_samples)[0]
+            for k, spec in enumerate(args.teachers)]
     distiller = Distiller(args, init_weights=resume_from is None, log=_log, caches=caches,
                           teacher_only=args.teacher_cache_only,
                           same_tokenizer=tokenizers.same_tokenizer)
@@ -111,13 +136,16 @@ def _train(args, started: float) -> int:
         iteration = distiller.resume(resume_from)["iteration"]
         _log(f"> resumed from {resume_from} at iteration {iteration}")
 
-    if args.on_policy:
-        steps = _rollout_steps(args, tokenizers, distiller, iteration)
-    else:
-        steps = _training_batches(args, tokenizers, distiller, caches, train_numbering, loaded,
-                                  num_samples, iteration)
-    if isinstance(steps, int):  # the teacher-only cache pass ran instead: its exit code
-        return steps
+    with reading_inputs(shared=False):  # the prompts; the packing; this rank's documents
+        if args.on_policy:
+            steps = _rollout_steps(args, tokenizers, distiller, iteration)
+        else:
+            steps = _training_batches(args, tokenizers, distiller, caches, train_numbering,
+                                      loaded, num_samples, iteration)
+    if args.teacher_cache_only:  # the teacher-only pass fills the caches instead: its exit code
+        from megatron_xdistill.training.teacher_cache_run import fill_teacher_cache
+
+        return fill_teacher_cache(args, distiller, caches, steps, _log)
     eval_batches = _evaluation_batches(args, tokenizers, distiller, valid_numbering, loaded)
     loaded.clear()  # rank 0's whole corpus: planned, no longer needed
     return _loop(args, distiller, steps, eval_batches, caches, iteration, started)
@@ -156,12 +184,11 @@ def _rollout_steps(args, tokenizers, distiller, iteration: int):
 
 def _training_batches(args, tokenizers, distiller, caches, train_numbering, loaded,
                       num_samples: int, iteration: int):
-    """Off-policy runs: the packed training data, each step's samples from a DataLoader; a
-    --teacher-cache-only pass runs here instead and gives its exit code."""
+    """Off-policy runs: the packed training data, each step's samples from a DataLoader (a
+    --teacher-cache-only pass: the dataset of every sample)."""
     from megatron_xdistill.data.dataset import DistillationDataset
     from megatron_xdistill.data.document_share import step_samples
     from megatron_xdistill.data.loader import StepBatches, StepSampler
-    from megatron_xdistill.training.teacher_cache_run import fill_teacher_cache
 
     rank = dist.get_rank()
     plan = packing_plan(args, train_numbering, tokenizers, num_samples, "train",
@@ -189,7 +216,7 @@ def _training_batches(args, tokenizers, distiller, caches, train_numbering, load
     dataset = DistillationDataset(documents, plan, tokenizers, args.seq_length,
                                   teacher_lengths(args))
     if args.teacher_cache_only:
-        return fill_teacher_cache(args, distiller, caches, dataset, _log)
+        return dataset
     return StepBatches(dataset, sampler, args.num_workers)
 
 
@@ -222,6 +249,7 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
     """The training loop: steps, logging, evaluation, checkpoints, stopping."""
     from megatron_xdistill.training.metrics import MetricsWriter
     from megatron_xdistill.training.preemption import StopRequest
+    from megatron_xdistill.training.run_log import IterationLog, validation_line
 
     rank = dist.get_rank()
     wandb = None if args.wandb_project is None else {
@@ -233,8 +261,17 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
             "teachers": [dict(vars(spec)) for spec in args.teachers]}}
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir, enabled=rank == 0,
                            wandb=wandb)
+    student = distiller.student
+    lines = IterationLog(args, iteration, dist.get_world_size(),
+                         student.info if student is not None else None,
+                         [lane.side.info for lane in distiller.lanes])
+
+    def evaluate() -> None:
+        record = {"iteration": iteration, **distiller.evaluate(eval_batches)}
+        writer.write(record, line=validation_line(record))
+
     if eval_batches is not None and iteration == 0:
-        writer.write({"iteration": 0, **distiller.evaluate(eval_batches)})
+        evaluate()
     last = time.perf_counter()
     tokens_since, steps_since = 0, 0
     end = args.train_iters  # where this run stops
@@ -259,11 +296,14 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
                           "consumed_samples": iteration * args.global_batch_size,
                           **distiller.times.reset(), **distiller.teacher_times()}
                 record["payload_bytes_per_token"] = round(distiller.payload_bytes_per_token, 1)
-                writer.write(record)
+                if args.fp16 and student is not None:  # after the step, as Megatron-LM logs it
+                    record["loss_scale"] = float(student.optimizer.get_loss_scale())
+                record.update(lines.figures(record, iteration))
+                writer.write(record, line=lines.line(record))
                 last, tokens_since, steps_since = now, 0, 0
             if eval_batches is not None and args.eval_interval and (
                     iteration % args.eval_interval == 0 or iteration == args.train_iters):
-                writer.write({"iteration": iteration, **distiller.evaluate(eval_batches)})
+                evaluate()
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 path = distiller.save(args.save, iteration, checkpoint_common(args, iteration))
                 _log(f"> saved checkpoint {path}")
@@ -285,4 +325,6 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
     if args.save and (not args.save_interval or iteration % args.save_interval):
         path = distiller.save(args.save, iteration, checkpoint_common(args, iteration))
         _log(f"> saved checkpoint {path}")
+    if not args.save:
+        _log(f"> no --save: the model trained to iteration {iteration} is not kept")
     return 0

@@ -8,6 +8,8 @@ import os
 
 import torch.distributed as dist
 
+from megatron_xdistill.training.user_errors import SHARED_MARK
+
 
 def log(message: str) -> None:
     """Print on rank 0."""
@@ -35,7 +37,8 @@ def check_vocabularies(args, tokenizers) -> None:
     """Each checkpoint against its tokenizer, before anything is built."""
     from megatron_xdistill import models as models_api
 
-    sides = [("student", args.load, tokenizers.student_tokenizer, args.tokenizer_model)]
+    sides = [] if args.load is None else [  # no student in a --teacher-cache-only pass
+        ("student", args.load, tokenizers.student_tokenizer, args.tokenizer_model)]
     several = len(args.teachers) > 1
     for spec, tokenizer in zip(args.teachers, tokenizers.teacher_tokenizers, strict=True):
         if spec.load is not None:
@@ -125,6 +128,7 @@ def on_rank0(fn):
     dist.broadcast_object_list(box, src=0)
     status, value = box[0]
     if status == "error":
+        setattr(value, SHARED_MARK, True)  # every rank raises it: rank 0 alone reports it
         raise value
     return value
 
@@ -218,12 +222,12 @@ def plan_size(args) -> int:
             if cache.reading:
                 sizes[spec.cache] = cache.manifest.num_samples
     if len(set(sizes.values())) > 1:
-        raise SystemExit(f"the teachers' complete caches hold plans of different sizes "
+        raise ValueError(f"the teachers' complete caches hold plans of different sizes "
                          f"({sizes}): they were not filled for the same run; refill one")
     wanted = args.samples_per_epoch
     if sizes and wanted is not None and wanted not in sizes.values():
         path, held = next(iter(sizes.items()))
-        raise SystemExit(f"--samples-per-epoch {wanted} differs from the plan of the complete "
+        raise ValueError(f"--samples-per-epoch {wanted} differs from the plan of the complete "
                          f"teacher cache {path} ({held} samples): give --samples-per-epoch "
                          f"{held} (or drop it), or fill a new cache for {wanted} samples")
     if sizes:

@@ -21,7 +21,9 @@ from megatron_xdistill.training.lr_schedule import LRSchedule
 
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
-    """The models' parameter dtype: bf16 with ``--bf16``, else fp32."""
+    """The models' parameter dtype: bf16 with ``--bf16``, fp16 with ``--fp16``, else fp32."""
+    if getattr(args, "fp16", False):
+        return torch.float16
     return torch.bfloat16 if args.bf16 else torch.float32
 
 
@@ -78,6 +80,11 @@ class StudentSideConfig:
             min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
             bf16=bool(args.bf16), params_dtype=params_dtype(args),
+            fp16=bool(getattr(args, "fp16", False)), loss_scale=getattr(args, "loss_scale", None),
+            initial_loss_scale=getattr(args, "initial_loss_scale", 2.0 ** 32),
+            min_loss_scale=getattr(args, "min_loss_scale", 1.0),
+            loss_scale_window=getattr(args, "loss_scale_window", 1000),
+            hysteresis=getattr(args, "hysteresis", 2),
             use_distributed_optimizer=args.use_distributed_optimizer,
         )
         return cls(load=args.load, tokenizer_model=args.tokenizer_model, seed=args.seed,

@@ -86,7 +86,6 @@ class StudentSide:
             models_api.load_megatron_checkpoint(model, config.load, groups.pg_collection,
                                                 process_group=world)
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.grad_scale_func = None
         self.model = DistributedDataParallel(self.config, config.ddp, model,
                                              pg_collection=groups.pg_collection)
         if config.ddp.overlap_grad_reduce:  # the schedule holds the reduce until the last one
@@ -100,6 +99,9 @@ class StudentSide:
             pg_collection=groups.pg_collection,
         )
         self.scheduler = config.schedule.build(self.optimizer)
+        # --fp16: Megatron's schedule multiplies each loss by the optimizer's loss scale before
+        # its backward (the optimizer unscales, and skips a step whose gradients overflowed).
+        self.config.grad_scale_func = self.optimizer.scale_loss if config.optimizer.fp16 else None
 
     # ------------------------------------------------------------------ the step
     def positions(self) -> list[int]:
@@ -373,7 +375,8 @@ class StudentSide:
         megatron_args = megatron_lm_args(
             self.info, tp=layout.tp, pp=layout.pp, cp=layout.cp,
             seq_length=self.side_config.seq_length,
-            bf16=self.side_config.optimizer.bf16, iteration=iteration,
+            bf16=self.side_config.optimizer.bf16, fp16=self.side_config.optimizer.fp16,
+            iteration=iteration,
             consumed_samples=int(common.get("consumed_samples", 0)))
         with self.whole_parameters():
             return save_checkpoint(root, iteration, self.model.module, self.optimizer,

@@ -45,6 +45,11 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
     common = None  # the teacher ids of the payload's fixed columns (gold / image forms)
     if form in ("gold", "image"):
+        if tokenizers.same_tokenizer[k] and args.load is None:
+            raise ValueError(
+                f"--teacher-cache-only without --load: {who.strip() or 'the teacher'} uses the "
+                f"student's tokenizer, and its {form} payload's columns depend on the student "
+                f"model's vocabulary: give --load STUDENT_CHECKPOINT")
         shared = (min(teacher_info.vocab_size, models_api.load_model_info(args.load).vocab_size)
                   if tokenizers.same_tokenizer[k] else None)
         common = payload_columns(form, load_or_build_projection(
@@ -57,7 +62,7 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     teacher = (checkpoint_fingerprint(args.teacher_load) if args.teacher_load is not None
                else cache.manifest.key["teacher"]["checkpoint"])  # reading without a teacher
     key = run_key(
-        teacher_checkpoint=teacher, bf16=args.bf16,
+        teacher_checkpoint=teacher, bf16=args.bf16, fp16=bool(getattr(args, "fp16", False)),
         student_vocab_hash=vocab_hash(tokenizers.student_tokenizer),
         teacher_vocab_hash=vocab_hash(tokenizers.teacher_tokenizers[k]),
         sources=parse_data_path(args.data_path, "--data-path"), text_field=args.text_field,

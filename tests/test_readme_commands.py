@@ -1,0 +1,169 @@
+"""Every command in README.md and docs/ runs as written for the models it names.
+
+The fenced ``bash`` blocks of each page are read in order, as a user would type them, in one
+working folder where each model the pages name is a folder holding its real configuration
+(``tests/readme_models``) and its family's real tokenizer (no weights), and the data files they
+name are small real texts. What fits this machine runs (projection, alignment); what needs GPU
+nodes or the models' weights is dry-run: ``pretrain_xdistill.py --dry-run`` (every input
+checked against the real shapes: heads and query groups against TP, vocabularies, the projection
+the page built, the data), ``xdistill-convert ... --dry-run``. A converted checkpoint or a run
+a command would write is stood in for by its model description, so the next command finds it.
+Commands of launchers and tools whose runs take whole models (``xdistill-evaluate``,
+``xdistill-ray``) are parsed with their own parsers; a fragment (``...``) must use known flags.
+YAML blocks whose first line names a file (``# run.yaml``) are written to that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from shared_assets import ASSETS, TOKENIZERS, needs_shared_assets
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("**/*.md"))]
+MODELS = Path(__file__).resolve().parent / "readme_models"
+#: The models the pages name -> their family's tokenizer in the shared assets.
+TOKENIZER_OF = {"SmolLM2-135M": "smollm2", "Qwen2.5-Coder-1.5B": "qwen2"}
+#: Commands that are the project's own entry points elsewhere checked (CI runs `make test`;
+#: `make demo` is the demo) or installation steps (`make install` is what CI runs).
+NOT_RUN = ("make", "pip", "python3 -m venv", ".", "cd", "git")
+
+pytestmark = needs_shared_assets
+
+
+def fenced_blocks(page: Path) -> list[tuple[str, str]]:
+    """``(language, text)`` of each fenced block, in page order."""
+    return [(m.group(1), m.group(2)) for m in
+            re.finditer(r"^```(\w*)\n(.*?)^```", page.read_text(), re.M | re.S)]
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The commands of a bash block: continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        words = shlex.split(line, comments=True)
+        if words:
+            out.append(words)
+    return out
+
+
+def _value(words: list[str], flag: str) -> str | None:
+    return words[words.index(flag) + 1] if flag in words else None
+
+
+def _describe(hf_dir: Path, out: Path) -> None:
+    """The description of the checkpoint that converting ``hf_dir`` would write at ``out``."""
+    from megatron_xdistill.models.description import save_model_info
+    from megatron_xdistill.models.hf_config import model_info_from_hf
+
+    save_model_info(model_info_from_hf(str(hf_dir)), str(out))
+
+
+class Workspace:
+    """The folder the pages' commands run in: their models (configuration + tokenizer) and
+    data files (real text)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        for name, tokenizer in TOKENIZER_OF.items():
+            shutil.copytree(TOKENIZERS / tokenizer, root / name)
+            shutil.copy(MODELS / name / "config.json", root / name / "config.json")
+        texts = [json.loads(x)["text"] for x in
+                 (ASSETS / "corpora" / "enwiki_val.jsonl").read_text().splitlines()[:6]]
+        for name in ("code.jsonl", "held_out.jsonl"):
+            (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        (root / "prompts.jsonl").write_text(json.dumps({"prompt": "2 + 3 =", "answer": "5"})
+                                            + "\n")
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": texts}), root / "web.parquet")
+
+    def run(self, words: list[str], where: str) -> None:
+        """One command as the page gives it (see the module docstring)."""
+        if "..." in words:
+            return self._fragment(words, where)
+        program = words[0]
+        if program == "torchrun" or (program.startswith("python") and any(
+                w.endswith("pretrain_xdistill.py") for w in words)):
+            at = next(i for i, w in enumerate(words) if w.endswith("pretrain_xdistill.py"))
+            world = int(_value(words, "--nproc-per-node") or _value(words, "--nproc_per_node")
+                        or 1)
+            return self._pretrain(words[at + 1:], world, where)
+        if program == "xdistill-convert":
+            return self._convert(words[1:], where)
+        if program in ("xdistill-projection", "xdistill-align"):
+            module = {"xdistill-projection": "megatron_xdistill.projection.cli",
+                      "xdistill-align": "megatron_xdistill.align.cli"}[program]
+            import importlib
+
+            assert importlib.import_module(module).main(words[1:]) == 0, where
+            return None
+        if program in ("xdistill-evaluate", "xdistill-ray"):
+            return self._parse_only(program, words[1:], where)
+        if any(" ".join(words).startswith(p) for p in NOT_RUN):
+            return None
+        raise AssertionError(f"{where}: no way to check `{' '.join(words)}`: teach "
+                             f"tests/test_readme_commands.py its program")
+
+    def _pretrain(self, argv: list[str], world: int, where: str) -> None:
+        from megatron_xdistill.training.run import main
+
+        os.environ["WORLD_SIZE"] = str(world)
+        try:
+            assert main([*argv, "--dry-run"]) == 0, f"{where}: pretrain_xdistill.py refused it"
+        finally:
+            os.environ.pop("WORLD_SIZE", None)
+        save, load = _value(argv, "--save"), _value(argv, "--load")
+        if save and load:  # the run this command would make, as a later command reads it
+            (self.root / save).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.root / load / "xdistill_model.json", self.root / save)
+
+    def _convert(self, argv: list[str], where: str) -> None:
+        from conversion.cli import main
+
+        assert main([*argv, "--dry-run"]) == 0, f"{where}: xdistill-convert refused it"
+        if argv[0] == "hf-to-mcore":
+            _describe(self.root / _value(argv, "--hf-dir"), self.root / _value(argv, "--out"))
+
+    def _parse_only(self, program: str, argv: list[str], where: str) -> None:
+        if program == "xdistill-evaluate":
+            from megatron_xdistill.evaluation.bits_per_byte import _parser
+        else:
+            from megatron_xdistill.launch.cli import build_parser as _parser
+        head = argv[: argv.index("--")] if "--" in argv else argv
+        _parser().parse_args(head)  # exits (fails the test) on an unknown or bad flag
+        if "--" in argv:
+            self._fragment(argv[argv.index("--") + 1:], where)
+
+    def _fragment(self, words: list[str], where: str) -> None:
+        from megatron_xdistill.training.arguments import build_parser
+
+        known = {o for a in build_parser()._actions for o in a.option_strings}
+        unknown = [w for w in words if w.startswith("--") and w.split("=")[0] not in known
+                   and w != "--nproc-per-node"]
+        assert not unknown, f"{where}: unknown flags {unknown}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_documented_command_runs_as_written(page, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    space = Workspace(tmp_path)
+    ran = 0
+    for number, (language, text) in enumerate(fenced_blocks(page), 1):
+        where = f"{page.name}, code block {number}"
+        first = text.splitlines()[0] if text.strip() else ""
+        if language == "yaml" and re.match(r"#\s*[\w.-]+\.ya?ml\s*$", first):
+            (tmp_path / first.lstrip("# ").strip()).write_text(text)
+        elif language in ("bash", "sh", "shell"):
+            for words in shell_commands(text):
+                space.run(words, where)
+                ran += 1
+    assert ran or page.name != "README.md"
