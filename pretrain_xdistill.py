@@ -21,9 +21,10 @@ if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep t
 
     try:  # --help, usage and config errors at once, before torch is imported
         parse_command_line(sys.argv[1:])
-    except ValueError as exc:
-        print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except ValueError as exc:  # reported once (rank 0), exit code 2
+        from megatron_xdistill.training.user_errors import InputError, report
+
+        sys.exit(report(InputError(str(exc))))
     from megatron_xdistill.training.run import main
 
     sys.exit(main())

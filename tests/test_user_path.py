@@ -123,23 +123,30 @@ def test_bad_input_is_one_message_before_anything_is_built(e2e_setup, wrong_proj
 
 
 @needs_shared_assets
-def test_under_torchrun_rank_0_alone_reports_and_a_fault_deep_in_the_data_too(e2e_setup,
-                                                                              tmp_path):
-    """Two ranks: a fault past the records the first read checks is found by rank 0's full
-    read after torch.distributed started; still one line (rank 0's), exit 2, no traceback of
-    ours (torchrun adds its own summary of the failed ranks)."""
+@pytest.mark.parametrize("where", ["checks", "full_read"])
+def test_under_torchrun_rank_0_alone_reports(e2e_setup, wrong_projection, tmp_path, where):
+    """Two ranks under torchrun: one line (rank 0's), ranks exit 2, no traceback of ours
+    (torchrun adds its own summary of the failed ranks). ``checks``: found by every rank before
+    anything starts (rank 1 must not exit first: torchrun would stop rank 0 before its line is
+    out); ``full_read``: a fault past the records the first read checks, found by rank 0's full
+    read after torch.distributed started."""
     root, s_tok, t_tok = e2e_setup
-    data = tmp_path / "late.jsonl"
-    good = json.loads((root / "train.jsonl").read_text().splitlines()[0])["text"]
-    data.write_text("\n".join(json.dumps({"text": good}) for _ in range(40))
-                    + '\n{"content": "the fortieth record has no text"}\n')
-    done = _pretrain(_base(root, s_tok, t_tok, **{"--data-path": str(data)}), world=2,
-                     torchrun=True)
+    if where == "checks":
+        argv = _base(root, s_tok, t_tok, **{"--projection-path": str(wrong_projection)})
+        want = f"{PREFIX}{wrong_projection}: W was built for teacher tokenizer"
+    else:
+        data = tmp_path / "late.jsonl"
+        good = json.loads((root / "train.jsonl").read_text().splitlines()[0])["text"]
+        data.write_text("\n".join(json.dumps({"text": good}) for _ in range(40))
+                        + '\n{"content": "the fortieth record has no text"}\n')
+        argv = _base(root, s_tok, t_tok, **{"--data-path": str(data)})
+        want = (f"{PREFIX}{data}:41: no field 'text' (use --text-field to name the field that "
+                f"holds the text)")
+    done = _pretrain(argv, world=2, torchrun=True)
     out = done.stdout + done.stderr
-    assert done.returncode != 0
+    assert done.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith(PREFIX)]
-    assert errors == [f"{PREFIX}{data}:41: no field 'text' (use --text-field to name the field "
-                      f"that holds the text)"], out[-3000:]
+    assert len(errors) == 1 and errors[0].startswith(want), out[-3000:]
     ours = [line for line in out.splitlines() if 'File "' in line and "megatron_xdistill" in line]
     assert not ours and "[rank0]" not in out and "[rank1]" not in out, out[-3000:]
 

@@ -53,7 +53,23 @@ class MegatronArgumentParser(argparse.ArgumentParser):
                                  f"{name}: no such flag ({self.prog} --help lists them)")
             if hints:
                 message += "\n" + "\n".join(hints)
-        super().error(message)
+        self.exit_with(message)
+
+    def exit_with(self, message: str):
+        """Exit 2 with ``message``, as argparse does, but once per job: rank 0 prints it with
+        a one-line usage (``--help`` has the whole list), the other ranks exit silently (see
+        ``user_errors.wait_for_rank0``)."""
+        import os
+        import sys
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            sys.stderr.write(f"usage: {self.prog} [arguments] ({self.prog} --help lists them)\n"
+                             f"{self.prog}: error: {message}\n")
+            sys.exit(2)
+        from megatron_xdistill.training.user_errors import wait_for_rank0
+
+        wait_for_rank0()
+        sys.exit(2)
 
     def _option_names(self) -> list[str]:
         return [name for action in self._actions for name in action.option_strings

@@ -58,10 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.get("WORLD_SIZE", "1"))
     try:
         args = parse_args(list(argv) if argv is not None else sys.argv[1:], world)
-    except ValueError as exc:  # ours; argparse's own errors have exited with usage already
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"pretrain_xdistill.py: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+    except ValueError as exc:  # ours; argparse's own errors have exited already
+        from megatron_xdistill.training.user_errors import InputError, report
+
+        return report(InputError(str(exc)))
     from megatron_xdistill.training.preflight import check_model_shapes, run_preflight
     from megatron_xdistill.training.user_errors import InputError, report
 

@@ -72,6 +72,7 @@ def report(error: InputError, rank: int | None = None, prog: str = PROG) -> int:
     if rank is None:
         rank = int(os.environ.get("RANK", "0"))
     if error.shared and rank != 0:
+        wait_for_rank0()
         return 2
     if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
         cause = error.__cause__ or error
@@ -81,4 +82,21 @@ def report(error: InputError, rank: int | None = None, prog: str = PROG) -> int:
     return 2
 
 
-__all__ = ["InputError", "SHARED_MARK", "TRACEBACK_ENV", "reading_inputs", "report"]
+#: The longest a rank that does not report an error waits for rank 0 to report and exit.
+RANK0_GRACE_S = 60.0
+
+
+def wait_for_rank0() -> None:
+    """Under torchrun, a rank that leaves the reporting of an error to rank 0 waits before it
+    exits: torchrun stops every other rank as soon as one exits, so a rank that left first
+    could stop rank 0 before its message is out. Rank 0 exits right after reporting, and
+    torchrun then ends this wait; elsewhere (one process, a test's rank pool) it returns at
+    once."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("RANK", "0")) != 0:
+        import time
+
+        time.sleep(RANK0_GRACE_S)
+
+
+__all__ = ["InputError", "RANK0_GRACE_S", "SHARED_MARK", "TRACEBACK_ENV", "reading_inputs",
+           "report", "wait_for_rank0"]
