@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MCORE_SPEC ?= megatron-core==0.19.2
 
-.PHONY: install demo test test-slow test-gpu lint bench clean
+.PHONY: install demo test test-slow test-gpu coverage lint bench clean
 
 install: $(STAMP)
 
@@ -42,6 +42,17 @@ test-slow: install
 test-gpu: install
 	$(BIN)/python -m pytest -q -m gpu
 
+# Line coverage of megatron_xdistill/ by package folder on the CPU suite (ranks and subprocesses
+# included, see [tool.coverage.run] in pyproject.toml); data files that processes ending after
+# pytest write are combined too. coverage.json keeps the report (tools/coverage_by_folder.py).
+coverage: install
+	@rm -f .coverage .coverage.*
+	$(BIN)/python -m pytest -q --cov --cov-report=; rc=$$?; \
+	  $(BIN)/coverage combine --append -q 2>/dev/null || true; \
+	  $(BIN)/coverage json -q -o coverage.json && \
+	  $(BIN)/python tools/coverage_by_folder.py coverage.json --files || rc=1; \
+	  exit $$rc
+
 lint: install
 	$(BIN)/ruff check .
 
@@ -49,4 +60,4 @@ bench: install
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .coverage .coverage.* coverage.json

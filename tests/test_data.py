@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from shared_assets import ASSETS
 from shared_assets import needs_shared_assets as needs_assets
-from test_data_teachers import check_tiling, item_arrays, one_teacher_digest
+from test_data_teachers import (
+    check_pieces_tile,
+    check_sample_ids,
+    check_tiling,
+    item_arrays,
+    one_teacher_digest,
+)
 
 from megatron_xdistill.data.dataset import DistillationDataset, collate_samples, teacher_view
 from megatron_xdistill.data.packing import (
@@ -131,13 +137,18 @@ def test_packed_samples_fit_and_cover_all_text(tokenizers, tmp_path):
     assert len(plan) == 150
     seen_docs = check_tiling(plan, documents, counts, 0, sources, passes=10)
     assert len(seen_docs) > len(documents)  # more than one pass was needed
+    assert check_pieces_tile(plan.pieces, documents, passes_of=len(documents)) == seen_docs
 
     ds = DistillationDataset(documents, plan, tokenizers, 64, [48])
+    # What the pins below stand for, from the tokenizers alone: every sample's ids are each
+    # tokenizer's ids of the sample's text spans (none is cut short here).
+    s_tok, t_tok = tokenizers.student_tokenizer, tokenizers.teacher_tokenizers[0]
+    assert all(check_sample_ids(teacher_view(ds[i], 0), plan.sample_pieces(i), documents, s_tok,
+                                t_tok) for i in range(len(ds)))
     # The one-teacher code's plan and first samples, pinned (digests taken from it at 089ec65).
     assert one_teacher_digest([plan.pieces, plan.sample_offsets]) == "45625509287cb8b4"
     assert one_teacher_digest([a for i in range(12)
                                for a in item_arrays(teacher_view(ds[i], 0))]) == "2cad3592dc90ee47"
-    s_tok, t_tok = tokenizers.student_tokenizer, tokenizers.teacher_tokenizers[0]
     for i in range(min(len(ds), 12)):
         item = teacher_view(ds[i], 0)
         assert item["student_length"] <= 65 and item["teacher_length"] <= 49
@@ -166,6 +177,34 @@ def test_packed_samples_fit_and_cover_all_text(tokenizers, tmp_path):
         assert sorted(blob.files) == ["key", "pieces", "sample_offsets", "version"]
     path.write_bytes(path.read_bytes()[:100])  # a cut-short cache file is built again
     assert load_plan(str(path), plan.key) is None
+
+
+@needs_assets
+def test_blended_sources_start_documents_in_their_weights_shares(tokenizers, tmp_path):
+    """``--data-path 0.6 A 0.3 B 0.1 C``: documents are drawn in that proportion (the sources'
+    documents of different counts). Counted over the documents a packed plan starts, each
+    source's share is its weight within three binomial standard errors, and every document of
+    every source is drawn."""
+    lines = {name: (ASSETS / "corpora" / f"{name}.jsonl").read_text().splitlines()
+             for name in ("enwiki_val", "enwiki_train", "shakespeare")}
+    texts = [[json.loads(x)["text"][:300] for x in lines[name][:n] if json.loads(x)["text"]]
+             for name, n in (("enwiki_val", 9), ("enwiki_train", 5), ("shakespeare", 3))]
+    weights = [0.6, 0.3, 0.1]
+    items = []
+    for k, (w, docs) in enumerate(zip(weights, texts, strict=True)):
+        items += [str(w), _docs_jsonl(tmp_path, docs, name=f"source{k}.jsonl")]
+    sources = parse_data_path(items)
+    documents, counts = load_documents(sources, "text")
+    plan = build_plan(documents, sources, counts, tokenizers, 64, [48], seed=4, num_samples=300,
+                      log=lambda m: None)
+    started = np.asarray(check_pieces_tile(plan.pieces, documents))
+    source = np.searchsorted(np.cumsum(counts), started, side="right")
+    n = len(started)
+    assert n >= 200
+    for k, w in enumerate(weights):
+        share = float((source == k).mean())
+        assert abs(share - w) <= 3 * (w * (1 - w) / n) ** 0.5, f"source {k}: {share} of {n}"
+    assert set(started.tolist()) == set(range(len(documents)))
 
 
 def test_globs_and_hf_datasets_folders_in_the_data_path(tmp_path):

@@ -82,6 +82,75 @@ def check_tiling(plan, documents, counts, seed, sources=SOURCES, passes: int = 2
     return seen
 
 
+def check_pieces_tile(pieces: np.ndarray, documents, passes_of: int | None = None) -> list[int]:
+    """Independently of the packer's code: the plan's pieces, in order, tile every document they
+    start, from its first character to its last, each piece going on where the one before
+    stopped (nothing dropped or repeated). ``passes_of``: the documents hold no weights, so
+    every ``passes_of`` document starts (a pass) start each non-empty document once. Returns the
+    documents in the order the plan starts them."""
+    started, current, pos = [], None, 0
+    for d, c0, c1, starts_doc, ends_doc in pieces.tolist():
+        if current is None:
+            assert starts_doc and c0 == 0, f"document {d} entered at character {c0}"
+            current = d
+            started.append(d)
+        assert not (starts_doc and c0), (d, c0)
+        assert d == current and c0 == pos and c1 > c0, f"document {current} resumed {(d, c0)} " \
+                                                        f"after character {pos}"
+        pos = c1
+        assert bool(ends_doc) == (c1 == len(documents[d])), f"document {d} ended at {c1}"
+        if ends_doc:
+            current, pos = None, 0
+    if passes_of is not None:
+        nonempty = sorted(d for d in range(passes_of) if documents[d])
+        for lo in range(0, len(started), len(nonempty)):
+            one_pass = started[lo : lo + len(nonempty)]
+            assert len(set(one_pass)) == len(one_pass) and set(one_pass) <= set(nonempty)
+    return started
+
+
+def tokenizer_ids(tokenizer, pieces: np.ndarray, documents) -> tuple[list[int], list[int]]:
+    """A side's ids of a sample from its tokenizer alone: per piece, BOS before a document's
+    first piece (where the tokenizer starts its encodings with one), the tokenizer's ids of the
+    piece's text, EOS after a document's last piece; and, per id, how many characters of the
+    sample's text the ids up to it spell (the tokenizer's offsets)."""
+    bos = tokenizer.bos_token_id
+    uses_bos = bos is not None and tokenizer("a")["input_ids"][:1] == [bos]
+    ids: list[int] = []
+    ends: list[int] = []
+    done = 0
+    for d, c0, c1, starts_doc, ends_doc in pieces.tolist():
+        if starts_doc and uses_bos:
+            ids.append(bos)
+            ends.append(done)
+        enc = tokenizer(documents[d][c0:c1], add_special_tokens=False,
+                        return_offsets_mapping=True)
+        ids += enc["input_ids"]
+        ends += [done + end for _, end in enc["offset_mapping"]]
+        done += c1 - c0
+        if ends_doc:
+            ids.append(tokenizer.eos_token_id)
+            ends.append(done)
+    return ids, ends
+
+
+def check_sample_ids(item: dict, pieces: np.ndarray, documents, student, teacher) -> bool:
+    """One teacher's view of a sample against the tokenizers alone: the student's ids are the
+    student tokenizer's ids of the sample's text spans (:func:`tokenizer_ids`), the teacher's
+    the teacher tokenizer's ids of the same spans. A sample cut short (too long for a side)
+    keeps a prefix of both that ends at the same character: the same text. True when whole."""
+    s_ids, s_ends = tokenizer_ids(student, pieces, documents)
+    t_ids, t_ends = tokenizer_ids(teacher, pieces, documents)
+    n_s, n_t = item["student_length"], item["teacher_length"]
+    assert item["tokens"][:n_s].tolist() == s_ids[:n_s], "student ids are not its text's"
+    assert item["teacher_tokens"][:n_t].tolist() == t_ids[:n_t], "teacher ids are not its text's"
+    if n_s == len(s_ids) and n_t == len(t_ids):
+        return True
+    assert 0 < n_s < len(s_ids) and 0 < n_t < len(t_ids), (n_s, len(s_ids), n_t, len(t_ids))
+    assert s_ends[n_s - 1] == t_ends[n_t - 1], "a cut sample's sides keep different text"
+    return False
+
+
 def _text_bytes(tokenizer, ids) -> bytes:
     """The canonical bytes that ``ids`` spell (control tokens spell nothing)."""
     from megatron_xdistill.align import token_bytes_table
@@ -107,15 +176,22 @@ ONE_TEACHER = [
 @needs_shared_assets
 @pytest.mark.parametrize("pair,plan_digest,items_digest", ONE_TEACHER)
 def test_one_teacher_packs_and_samples_as_before(pair, plan_digest, items_digest, monkeypatch):
+    """The pins say that nothing changed; first, that what they pin is right, checked from the
+    tokenizers alone: the pieces tile the documents, and every sample's ids are each
+    tokenizer's ids of its text (a sample cut short keeps the same text on both sides)."""
     docs = _docs(6, 1500)
     tokenizers = SampleTokenizers(_tok(pair[0]), [_tok(pair[1])])
     plan = _plan(tokenizers, docs, 16, [12], seed=5, num=40)
-    assert one_teacher_digest([plan.pieces, plan.sample_offsets]) == plan_digest
+    check_pieces_tile(plan.pieces, docs, passes_of=len(docs))
     cuts = []
     real_cut = dataset_module._student_cut
     monkeypatch.setattr(dataset_module, "_student_cut", lambda *a: cuts.append(1) or real_cut(*a))
     ds = DistillationDataset(docs, plan, tokenizers, 16, [12])
     items = [teacher_view(ds[i], 0) for i in range(len(ds))]
+    whole = [check_sample_ids(item, plan.sample_pieces(i), docs, *map(_tok, pair))
+             for i, item in enumerate(items)]
+    assert sum(whole) == len(items) - len(cuts)  # the cut samples keep the same text
+    assert one_teacher_digest([plan.pieces, plan.sample_offsets]) == plan_digest
     assert one_teacher_digest([a for item in items for a in item_arrays(item)]) == items_digest
     assert (len(cuts) > 0) == (pair[1] == "mistral")  # the truncation branch is pinned too
 

@@ -221,7 +221,12 @@ def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
         step()  # warm-up: first-call setup is not what is counted
         logits.grad = None
         counts[positions] = _synchronisations(step)
-    # H200, 2026-11-26: 36 waits with 2 blocks, 35 with 40 (topk); 39 and 39 (chunk_topk)
+    # H200, 2026-11-26: 36 waits with 2 blocks, 35 with 40 (topk); 39 and 39 (chunk_topk). A
+    # bound per call, whatever the blocks and chunks: one wait more a block would add 40 with
+    # 40 blocks, one a chunk 41 (the case's valid chunks), one a position 120 (75 or more in
+    # all); 56 leaves the forms not measured then 17 waits above the most seen.
+    most = 56
+    assert max(counts.values()) <= most, f"host waits a loss call (positions a block): {counts}"
     assert counts[3] <= counts[64], f"host waits by block size (positions per block): {counts}"
 
 
