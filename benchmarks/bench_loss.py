@@ -29,7 +29,7 @@ net of .grad as a share of the logits):
 
 Gold / H-KL and the exact form (all of V_t), 4,096 tokens, V_s = 49,152, A/B on the same machine
 state (the study paused; 2026-11-25): before = commit be3baac, after = the image projection
-(``loss/image_projection.py``, commit 1427b4b, before 0d398ef made the exact form's per-row teacher terms fp64 sums) and NumPy's sort of the uncommon values (``loss/sorted_top.py``):
+(``loss/kernels/image_projection.py``, commit 1427b4b, before 0d398ef made the exact form's per-row teacher terms fp64 sums) and NumPy's sort of the uncommon values (``loss/cpu/sorted_top.py``):
 
   threads  form   before x CE  after x CE   extra / logits (after)
   1        full      18.7         13.3         33%  (Numba's runtime, ~0.1 GiB, counts here)
@@ -42,7 +42,7 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   Not a regression: A/B on one machine state (2,048 tokens, 1 thread, runs alternated twice),
   bf91f04 (before the JSD and sample-weight changes to gold's kernel) 6.95x / 6.62x, bf70a2b
   6.86x / 6.24x; the 5.9x of 2026-11-25 was another machine.
-  Gold's backward without a second sort and without autograd (``loss/sorted_l1.py``: the
+  Gold's backward without a second sort and without autograd (``loss/cpu/sorted_l1.py``: the
   forward sorts the values and keeps where the signs of sorted student - teacher change; the
   backward finds each value's sign by comparing it with those few values, in NumPy, and
   ``GoldKernel.raw_grad`` writes the forward KL's gradient directly: the common part's is
@@ -61,7 +61,7 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   Same extra memory (8-11% of the logits). (A first step, the second sort gone but the
   backward still by autograd through ``kl``: 4.8-5.2x at 2,048 tokens, 4.9-5.1x / 8.1-8.3x at
   4,096.) Then the forward's sort by a Numba radix select + sort in linear time
-  (``loss/sorted_top.py``; NumPy's partition + sort, not SIMD on this AMD EPYC, took 0.29 of
+  (``loss/cpu/sorted_top.py``; NumPy's partition + sort, not SIMD on this AMD EPYC, took 0.29 of
   0.36 ms a row): A/B of cfc4c94 (before) and the commit that made it, runs alternated, s per
   forward + backward, CPU-time ratio to CE:
 
@@ -72,9 +72,9 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
 
   Extra memory 0.06 -> 0.10 GB at V_s 49,152 (7.8% -> 13.5% of these logits; 3.4% at 16k
   tokens): Numba's runtime, ~40 MB once per process.
-  Then each chunk row's work in few passes (``loss/gold_rows.py``: the means, the common
+  Then each chunk row's work in few passes (``loss/cpu/gold_rows.py``: the means, the common
   part's KL and argmax in one pass a row; the gradient written in vocabulary order in one;
-  the block's logits gradient without a [positions, V] gather; ``loss/sorted_l1.py``: the sign
+  the block's logits gradient without a [positions, V] gather; ``loss/cpu/sorted_l1.py``: the sign
   runs and the slopes by branch-free Numba passes, no NumPy masks or small torch operations):
   A/B of 65155e8 (before) and the commit that made it, runs alternated, s per forward +
   backward, CPU-time ratio to CE (wall at 2 threads):
@@ -88,7 +88,7 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   Extra memory 13.9% -> 12.3% of the logits (V_s 128,256: 10.1% -> 6.9%). What is left: the
   softmax twice (as CE; ~20%), the sort (~12%), the chunk rows' sums of the logits (forward and
   recompute), and torch's exp of the teacher's and the student's chunk values.
-  Then no softmax buffer and vectorised exps (``loss/cpu_rows.py``): the forward's
+  Then no softmax buffer and vectorised exps (``loss/cpu/rows.py``): the forward's
   log-partitions by one exp-and-sum pass, the backward's gradient written from the logits in
   one pass (was a softmax, then a pass for the rows' part), the teacher's and the chunk means'
   exps inside gold_rows' passes (a float32 polynomial LLVM vectorises: 0.33 ns an element,
@@ -103,7 +103,7 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   buffers) it takes 0.19 s, but Megatron's CE gains as much (0.79 -> 0.56-0.61 s), so the
   ratio does not.
   Then training's call (the loss's weights given ahead) takes a block from its logits to its
-  gradient in two passes (``loss/gold_block.py``, 212668a): per chunk row its positions'
+  gradient in two passes (``loss/cpu/gold_block.py``, 212668a): per chunk row its positions'
   log-partitions and summed logits in a buffer of the thread's, then the row's means, KL and
   argmax from it; after the sort, each row's raw gradient made in that buffer and spread
   over its positions as they are written. No [rows, V] raw sums or raw gradient. 16k tokens,
@@ -114,11 +114,11 @@ state (the study paused; 2026-11-25): before = commit be3baac, after = the image
   sums gone, the sort's per-row allocations (now once per thread) churned glibc's heap, its
   trims and page faults taking the sign runs from 1.2 to 2.5-3.0 s.
 
-The exact form with its per-row teacher work in few vectorised passes (``loss/exact_rows.py``:
+The exact form with its per-row teacher work in few vectorised passes (``loss/cpu/exact.py``:
 the teacher-only terms by one torch exp and one Numba pass per few rows, was seven torch passes;
 the forward KL on W's image from a direct gather of the payload's columns, no [rows, V_t] copy;
 its gradient on the projected mass written directly, no autograd through a recompute) and the
-projection eight rows at a time (``loss/image_projection.py``: each of W's nonzeros read once per
+projection eight rows at a time (``loss/kernels/image_projection.py``: each of W's nonzeros read once per
 eight rows, no per-column inner loop). 2026-11-28, A/B of 7e44447 (before) and the commit that
 made them (after) on one machine state, runs alternated twice; 4,096 tokens, s per forward +
 backward, CPU-time ratio to CE (wall at 2 threads):
@@ -139,7 +139,7 @@ backward, CPU-time ratio to CE (wall at 2 threads):
 
   Extra memory 22-26% of the logits at V_s 49,152 (was 24-35%; real W at 4,096 tokens 18%,
   was 27%; Numba's runtime ~0.1 GiB counts here). Then the teacher's exp and the KL's log
-  inside the Numba passes (``loss/cpu_rows.py``: vectorised float32 polynomials), the payload
+  inside the Numba passes (``loss/cpu/rows.py``: vectorised float32 polynomials), the payload
   rows read where they lie: teacher terms 0.98 -> 0.41 s, the KL 1.10 -> 0.59 s, its gradient
   0.13 -> 0.07 s per 20 blocks; A/B of 55972ec (before) and c58ffae (after), runs
   alternated, 1 thread, V_s 49,152: before 6.29-6.42 s (7.6-8.1x), after 5.02-5.06 s (6.2x);
@@ -189,12 +189,12 @@ twice; the two "one run" rows at the commits they name):
   heap trimmed after each call a call's own peak is 0.40-0.44 GiB, 13-14%. At the default k = 64
   the entries are a quarter of these.
 
-The exact form's projection with all of a block's rows at once (``loss/image_projection.py``:
+The exact form's projection with all of a block's rows at once (``loss/kernels/image_projection.py``:
 the rows transposed, [V, rows], so each W entry adds one contiguous vector of all of them;
 was eight rows at a time with a strided store per row and entry: 37 -> ~16 ms a projection
 at 90 rows), its teacher terms in one pass over each payload row (commit 0b08c28), then the
 forward KL reading each payload row once, the teacher-only terms in the same pass
-(``loss/exact_rows.py``, 6a58251). 2026-11-29, A/B of 16f39a7 (before) and 6a58251 (after),
+(``loss/cpu/exact.py``, 6a58251). 2026-11-29, A/B of 16f39a7 (before) and 6a58251 (after),
 runs alternated, 1 thread, V_s 49,152, s per forward + backward, CPU-time ratio to CE:
 
   tokens  before                             after
@@ -252,7 +252,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   The ``image`` form (``--forms image``; what training's ``--kd-topk 0`` ships since the
   commit that added it): the teacher sends W's image I only, with its float64 sums of P log P
   and of P over the other columns and its argmax (log P on I then; P since 2026-11-29), and the student reads each row in one
-  contiguous pass (``image_rows.image_kl_on_image``: no pieces, no gather, no exp of the columns
+  contiguous pass (``cpu.image_rows.image_kl_rows``: no pieces, no gather, no exp of the columns
   outside I). The same inputs as ``full`` (the payload rows cut to I, the sums taken here);
   one run each, 1 thread, V_s 49,152:
 
@@ -286,7 +286,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   log-partitions 1.2 (torch's softmax 0.69 of it, the two row maxima 0.37), the image pass
   1.2, the gradient's transposed copy ~0.5, the rows' sums 0.63, the gradient's dots and
   combine 0.35 each. Tried and left: the image pass writing its gradient transposed (tiles of
-  2,048 columns of all the rows; no faster, ``loss/image_rows.py``; 16 rows at a time in tiles
+  2,048 columns of all the rows; no faster, ``loss/cpu/image_rows.py``; 16 rows at a time in tiles
   of 4,096 columns, d^T in whole cache lines and the gradient's shift applied by W's product:
   7.3-7.5 against 7.7 ms a block at 60 rows x |I| 40,132 for the pass and the copy, 18.5
   against 20.4 at 87,607, and no gain in-process at 16k tokens), one pass for the dots and
@@ -325,7 +325,7 @@ exact form's KL and gradient in one pass over each payload row; the backward onl
   three runs: 5.25 / 5.13 / 5.04 s against CE 3.48 / 3.60 / 3.72 s: 1.50x / 1.42x / 1.35x CE,
   chunk_topk 2.87-2.99 s: 1.71-1.83x it). Tried and left: a Numba transposing copy of the
   gradient on q (1.34 against torch's 1.69 ms a block in isolation; no gain in-process).
-  A chunk row at a time from the logits (``loss/image_block.py``, 97b7ee3; one TP rank, the
+  A chunk row at a time from the logits (``loss/cpu/image_block.py``, 97b7ee3; one TP rank, the
   forward-written call): the row's positions' softmaxes summed in the thread's buffer and still
   in the caches when their gradient is written, W's one-entry rows as one int32 column each.
   On an AMD EPYC (Zen 4), one thread, 16k tokens: demo W (V_s 49,152) 4.76 s (f545e4b) ->
@@ -406,7 +406,7 @@ is the open item; a NeMo-RL-style dense P-KL core measured 3.4-4.3x CE on an H10
 
 On one H200 (same software and command, 2026-11-26; fp32, k = 256; ms per forward + backward;
 all rows on the same machine): old = commit 74eaced; final = commit 76a1e6a; expanded = the column forms' W entries
-expanded once per call with block-relative indices (``loss/block_entries.py``: a block issues no
+expanded once per call with block-relative indices (``loss/blocks/block_entries.py``: a block issues no
 index arithmetic and no host waits); final = also the per-position label and block-row
 arithmetic once per call and, with one TP rank, no partition reductions or factor products
 (``bench_loss_launches.py``: chunk top-k 209 -> 37 operations per block with CE):
@@ -428,7 +428,7 @@ reach <= 1.5x CE: fewer, larger blocks on the GPU (the 1/32-of-positions cap tha
 scratch buffers under 10% of the logits) or fusing a block's work into a few kernels. A GPU test
 checks that the host waits do not grow with the number of blocks (35-39 per call).
 
-Fused (``loss/row_softmax.py``, Triton; commits 2d26fea and 6fe4fa1), one H200, 2026-11-26, k =
+Fused (``loss/gpu/row_softmax.py``, Triton; commits 2d26fea and 6fe4fa1), one H200, 2026-11-26, k =
 256, ``--with-ce``: the column forms and CE read the logits twice in all (one kernel computes the
 forward's log-partitions and tail mass, one writes the backward's dense gradient) and keep no
 [block, V] buffer, so a call is one block (bf16 gradients written in place, the sparse
@@ -475,7 +475,7 @@ four times its fp32 buffer):
 
 (The default-block rows of that session's bench_loss part: gold 535, full 341 ms.) Launch-bound
 at small blocks, ~1.6 ms (gold) and ~0.9 ms (full) a block; the extra memory grows 6.2 and 12.3
-block buffers. Hence the accelerator default of ``loss.block_size.block_positions``: the largest
+block buffers. Hence the accelerator default of ``loss.blocks.block_size.block_positions``: the largest
 block whose buffers stay within 10% of the logits (gold 264 positions, full 133 here, from 85).
 The profile at 85 positions: gold's GPU busy 154 ms of its 378 (torch.topk of 8,192 of the
 ~24k uncommon columns: 55 ms), full's 269 ms (the sparse projection and its transpose 91 ms,
@@ -602,7 +602,7 @@ else:
         payload = TeacherPayload.from_flat(flat, spec)
     elif form == "image":  # P on W's image from the full form's rows, the teacher's sums
         from megatron_xdistill.loss import teacher_image
-        from megatron_xdistill.loss.payload import float64_as_pair
+        from megatron_xdistill.loss.definitions.payload import float64_as_pair
         image = teacher_image(idx, w, vs)
         spec = PayloadSpec("image", c, image.numel())
         flat = torch.empty(1, spec.numel)
@@ -703,9 +703,9 @@ def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace
     which a GPU runs as one fused block)."""
     import torch
 
-    from megatron_xdistill.loss.block_size import block_positions
-    from megatron_xdistill.loss.gold_kernel import GoldKernel
-    from megatron_xdistill.loss.kernels import DenseKernel
+    from megatron_xdistill.loss.blocks.block_size import block_positions
+    from megatron_xdistill.loss.kernels.gold import GoldKernel
+    from megatron_xdistill.loss.kernels.pkl import DenseKernel
 
     kernel = {"KD full": DenseKernel, "KD image": DenseKernel, "KD gold": GoldKernel}.get(name)
     if kernel is None:

@@ -13,7 +13,7 @@ not depend on the machine.
       [--gpu-paths] [--forward-grad]
 
 Measured (torch 2.13 CPU, 2026-11-26; 2,048 positions, V_s 4,096, V_t 6,000, k = 64; fused CE;
-before = commit 74eaced, after = the W entries expanded once per call (``loss/block_entries.py``),
+before = commit 74eaced, after = the W entries expanded once per call (``loss/blocks/block_entries.py``),
 per-position label and block-row arithmetic done once per call, no TP reductions with one TP rank;
 "after" re-measured at the commit that added ``StudentLossPlan._factor`` (then ``_Plan``)):
 
@@ -85,7 +85,10 @@ def count_ops(form: str, ce: bool, positions_per_block: int, forward_grad: bool 
     ``positions_per_block`` positions; ``forward_grad``: the loss's weights given ahead
     (``loss_weights``, training's one-teacher call: the forward writes the gradient)."""
     from megatron_xdistill.loss import parallel_kd_loss, teacher_image
-    from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
+    from megatron_xdistill.loss.definitions.common import (
+        common_vocab_from_dense,
+        predicting_chunk_id,
+    )
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
 
@@ -124,24 +127,22 @@ def take_gpu_paths() -> None:
     The counts then follow the GPU's operation sequence."""
     import torch
 
-    from megatron_xdistill.loss import (
-        cpu_rows,
-        exact_rows,
-        gold_kernel,
-        image_projection,
-        image_rows,
-        kernel_choice,
-        kernels,
-        sorted_l1,
-        sorted_top,
-        student_plan,
-    )
+    from megatron_xdistill.loss.cpu import exact as exact_rows
+    from megatron_xdistill.loss.cpu import rows as cpu_rows
+    from megatron_xdistill.loss.cpu import sorted_l1, sorted_top
+    from megatron_xdistill.loss.kernels import gold as gold_kernel
+    from megatron_xdistill.loss.kernels import image as image_kernel
+    from megatron_xdistill.loss.kernels import image_projection
+    from megatron_xdistill.loss.kernels import pkl as kernels
+    from megatron_xdistill.loss.student import kernel_choice
+    from megatron_xdistill.loss.student import plan as student_plan
 
     def never(t: torch.Tensor) -> bool:
         return False
 
-    for module in (image_rows, student_plan, gold_kernel, kernel_choice, cpu_rows):
+    for module in (student_plan, gold_kernel, kernel_choice, cpu_rows):
         module.numba_takes = never
+    image_kernel._rows_on_cpu = never
     exact_rows.supported = sorted_l1.supported = never
     image_projection.ImageProjection._numba = staticmethod(never)
     rule = kernels.DenseKernel.teacher_rows_per_step.__func__

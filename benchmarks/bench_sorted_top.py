@@ -33,7 +33,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _methods(device: torch.device) -> dict:
-    from megatron_xdistill.loss.sorted_top import sorted_top
+    from megatron_xdistill.loss.cpu.sorted_top import sorted_top
 
     out = {
         "topk": lambda x, n: x.topk(n, dim=1, sorted=True).values,

@@ -19,10 +19,10 @@ Models, checkpoints and the projection are fetched/converted/built once and cach
   disaggregated  full vocabulary        11.76   0.00    10.94  (3.18)   0.60  11.56        44   612,496
 
 The loss column at 2026-11-28 (same command, colocated; A/B of fa015af and the commit that set
-a floor of 8 positions a block, ``loss/block_size.py``, runs alternated twice): full vocabulary
+a floor of 8 positions a block, ``loss/blocks/block_size.py``, runs alternated twice): full vocabulary
 0.91-0.92 -> 0.53-0.60 s a step, chunk top-64 0.13-0.16 -> 0.10-0.13 s (a rank's micro-batch is
 128 tokens: the 1/128 share made blocks of one position). Since 7e44447 (before
-``loss/exact_rows.py``) the full-vocabulary loss went from 0.82-1.04 s a step.
+``loss/cpu/exact.py``) the full-vocabulary loss went from 0.82-1.04 s a step.
 
 Disaggregated = 1 teacher rank + 1 student rank (one node: payloads through shared-memory
 slots): the teacher's forward of step k+1 overlaps the student's step k, so a step costs the
@@ -43,7 +43,7 @@ cross-tokenizer loss is 23% of it (see bench_loss.py's GPU table).
 
 The same command on one H200 (2026-11-26, an intermediate state of commit 76a1e6a: the loss's W
 entries expanded once per call,
-``loss/block_entries.py``; steps 2..5 from the run's log, the process was stopped before its
+``loss/blocks/block_entries.py``; steps 2..5 from the run's log, the process was stopped before its
 table): teacher 0.90 s, student 1.26 s (loss 0.27), optimizer 0.01 s, wall 2.18 s, 7,570
 tokens/s; ratio wall / (teacher + student + optimizer) = 1.00, the loss 12% of the step. On CUDA the phase clocks
 synchronise the device at each boundary, so the split is of GPU time too.

@@ -75,7 +75,7 @@ FORMS = (("full", None), ("topk", 256), ("chunk_topk", 256), ("chunk_topk", 64))
 
 
 def _spec(form: str, k: int | None, chunks: int, vt: int):
-    from megatron_xdistill.loss.payload import PayloadSpec
+    from megatron_xdistill.loss.definitions.payload import PayloadSpec
 
     return PayloadSpec(form, chunks, vt if form == "full" else k)
 

@@ -10,13 +10,13 @@ import pytest
 import torch
 from shared_assets import TOKENIZERS, needs_shared_assets
 
-from megatron_xdistill.loss.chunk_starts import (
+from megatron_xdistill.loss.definitions.chunk_starts import (
     chunk_start_ids,
     merge_into_heads,
     single_teacher_token_chunks,
 )
-from megatron_xdistill.loss.common import TINY
-from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+from megatron_xdistill.loss.definitions.common import TINY
+from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload
 
 
 def test_chunk_starts_keep_each_chunks_first_token():

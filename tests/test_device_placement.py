@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import selects_gpu_tests
 
-from megatron_xdistill.loss.chunk_rows import ChunkRows, build_chunk_rows
-from megatron_xdistill.loss.shard import ProjectionShard
+from megatron_xdistill.loss.blocks.chunk_rows import ChunkRows, build_chunk_rows
+from megatron_xdistill.loss.blocks.shard import ProjectionShard
 
 
 def _tensors(obj) -> dict[str, torch.Tensor]:

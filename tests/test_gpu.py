@@ -118,8 +118,12 @@ def test_dead_rank_leaks_no_gpu_memory(who_dies):
                                             ("gold", "gold", None), ("hkl", "gold", None)])
 def test_parallel_loss_on_gpu_matches_reference(mode, form, topk):
     """fp32 on CUDA vs the float64 CPU reference: loss and gradient, rel 1e-5."""
-    from megatron_xdistill.loss import parallel_kd_loss, reference, teacher_image
-    from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
+    from megatron_xdistill.loss import parallel_kd_loss, teacher_image
+    from megatron_xdistill.loss.definitions import reference
+    from megatron_xdistill.loss.definitions.common import (
+        common_vocab_from_dense,
+        predicting_chunk_id,
+    )
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
 
@@ -184,7 +188,10 @@ def test_column_loss_waits_on_the_gpu_a_fixed_number_of_times(form, topk):
     a large part of the loss's time on an H100). The exact and gold forms finish their rows
     per block; their row selection is found on the CPU with the blocks, so they too."""
     from megatron_xdistill.loss import parallel_kd_loss, teacher_image
-    from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
+    from megatron_xdistill.loss.definitions.common import (
+        common_vocab_from_dense,
+        predicting_chunk_id,
+    )
     from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
     from megatron_xdistill.testing.synthetic_kd import make_case
 

@@ -20,8 +20,10 @@ from test_loss_grad_into_logits import (
     _payload,
 )
 
-from megatron_xdistill.loss import exact_rows, forward_writes_gradient, kernels, parallel_kd_loss
-from megatron_xdistill.loss.common import predicting_chunk_id
+from megatron_xdistill.loss import forward_writes_gradient, parallel_kd_loss
+from megatron_xdistill.loss.cpu import exact as exact_rows
+from megatron_xdistill.loss.definitions.common import predicting_chunk_id
+from megatron_xdistill.loss.kernels import pkl as kernels
 
 
 def _call(case, logits, mode, form, temperature, with_ce, into, weights, sample_weights=None):
@@ -95,7 +97,7 @@ def test_topk_forms_forward_gradient_equals_the_default_call(form, with_ce):
 def test_sample_weights_forward_gradient_equals_the_default_call(monkeypatch, mode, form):
     """Per-sample weights in the forward-written call (gold: its pass from the logits, which
     must weight each row too) give the recomputing call's loss and gradient."""
-    from megatron_xdistill.loss import gold_block
+    from megatron_xdistill.loss.cpu import gold_block
 
     fused = []
     real = gold_block.forward_block
@@ -229,7 +231,7 @@ def test_logits_from_a_custom_functions_view_take_the_forward_gradient():
 def test_exact_form_torch_path_forward_gradient_matches_reference(monkeypatch):
     """The exact form as a GPU runs it (no Numba: the projection by sparse products, the KL's
     gradient by autograd inside the forward), forced on CPU: the reference's gradient."""
-    from megatron_xdistill.loss import image_projection
+    from megatron_xdistill.loss.kernels import image_projection
 
     monkeypatch.setattr(exact_rows, "supported", lambda t: False)
     monkeypatch.setattr(image_projection.ImageProjection, "_numba",
@@ -247,7 +249,8 @@ def test_gold_torch_path_matches_reference(monkeypatch, mode, temperature, with_
     """Gold / H-KL as a GPU runs them (softmax blocks, torch's top-k; the forward KL and its
     gradient made together, not by autograd), forced on CPU: the reference's loss and
     gradient, with the loss's weights given ahead and with the recomputing backward."""
-    from megatron_xdistill.loss import gold_kernel, sorted_l1
+    from megatron_xdistill.loss.cpu import sorted_l1
+    from megatron_xdistill.loss.kernels import gold as gold_kernel
 
     monkeypatch.setattr(sorted_l1, "supported", lambda t: False)
     _force_softmax_buffer(monkeypatch)
@@ -268,10 +271,11 @@ def test_gold_torch_path_matches_reference(monkeypatch, mode, temperature, with_
 def test_gold_from_logits_path_matches_reference(monkeypatch, mode, temperature, with_ce,
                                                  threads, into):
     """Gold / H-KL on CPU with one TP rank and the loss's weights given ahead: each block's
-    log-partitions, KL and gradient straight from its logits (``loss/gold_block.py``, no raw
+    log-partitions, KL and gradient straight from its logits (``loss/cpu/gold_block.py``, no raw
     sums made). The float64 reference's loss and gradient; every block with chunk rows takes
     that path (positions of no chunk row among them), its rows split over the threads."""
-    from megatron_xdistill.loss import gold_block, gold_kernel
+    from megatron_xdistill.loss.cpu import gold_block
+    from megatron_xdistill.loss.kernels import gold as gold_kernel
 
     case = _case()
     assert bool((predicting_chunk_id(case.student_chunk_id) < 0).any())  # orphan positions

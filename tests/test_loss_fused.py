@@ -1,4 +1,4 @@
-"""The fused dense passes of the loss (``loss/row_softmax.py``: Triton) against the float64
+"""The fused dense passes of the loss (``loss/gpu/row_softmax.py``: Triton) against the float64
 reference: the column P-KL forms and CE, one block per call and blockwise (padded vocabulary,
 bf16 logits), T = 1 and T != 1.
 
@@ -16,8 +16,10 @@ import os
 import pytest
 import torch
 
-from megatron_xdistill.loss import parallel_kd_loss, reference, row_softmax
-from megatron_xdistill.loss.common import predicting_chunk_id
+from megatron_xdistill.loss import parallel_kd_loss
+from megatron_xdistill.loss.definitions import reference
+from megatron_xdistill.loss.definitions.common import predicting_chunk_id
+from megatron_xdistill.loss.gpu import row_softmax
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.testing.synthetic_kd import make_case
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatron_xdistill.loss import parallel_kd_loss
-from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
-from megatron_xdistill.loss.gold_kernel import GoldKernel
-from megatron_xdistill.loss.kernel_choice import NoKernel
+from megatron_xdistill.loss.definitions.common import common_vocab_from_dense, predicting_chunk_id
+from megatron_xdistill.loss.kernels.gold import GoldKernel
+from megatron_xdistill.loss.student.kernel_choice import NoKernel
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.testing.synthetic_kd import make_case
 

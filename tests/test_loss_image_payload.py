@@ -17,16 +17,15 @@ from test_loss_grad_into_logits import _assert_reference, _case
 from megatron_xdistill.loss import (
     PayloadSpec,
     TeacherPayload,
-    exact_rows,
-    image_kernel,
-    image_rows,
     parallel_kd_loss,
     payload_spec,
     teacher_image,
     teacher_payload,
 )
-from megatron_xdistill.loss.common import EPS, predicting_chunk_id
-from megatron_xdistill.loss.payload import float64_as_pair, pair_as_float64
+from megatron_xdistill.loss.cpu import exact as exact_rows
+from megatron_xdistill.loss.definitions.common import EPS, predicting_chunk_id
+from megatron_xdistill.loss.definitions.payload import float64_as_pair, pair_as_float64
+from megatron_xdistill.loss.kernels import image as image_kernel
 
 
 def _image(case) -> torch.Tensor:
@@ -143,10 +142,10 @@ def test_the_image_form_needs_its_ids():
 def _without_numba(monkeypatch) -> None:
     """The image form as a GPU runs it, on CPU tensors: torch operations for the rows' KL and
     gradient, the projection and the block's softmax."""
-    from megatron_xdistill.loss import student_plan
-    from megatron_xdistill.loss.image_projection import ImageProjection
+    from megatron_xdistill.loss.kernels.image_projection import ImageProjection
+    from megatron_xdistill.loss.student import plan as student_plan
 
-    monkeypatch.setattr(image_rows, "numba_takes", lambda t: False)
+    monkeypatch.setattr(image_kernel, "_rows_on_cpu", lambda t: False)
     monkeypatch.setattr(image_kernel, "numba_takes", lambda t: False)
     monkeypatch.setattr(ImageProjection, "_numba", staticmethod(lambda t: False))
     monkeypatch.setattr(student_plan, "numba_takes", lambda t: False)
@@ -177,9 +176,9 @@ def test_the_image_rows_pass_equals_the_full_rows_pass(monkeypatch, dtype, path)
     kl, at, _, g = exact_rows.image_kl(u, lp, keys, image, outside, weight)
     probs = lp[:, image].exp()
     if path == "torch":
-        monkeypatch.setattr(image_rows, "numba_takes", lambda t: False)
+        monkeypatch.setattr(image_kernel, "_rows_on_cpu", lambda t: False)
     monkeypatch.setattr(image_kernel, "numba_takes", lambda t: False)
-    on, at_on, g_on = image_rows.image_kl_on_image(u, probs, keys, weight)
+    on, at_on, g_on = image_kernel.image_kl_on_image(u, probs, keys, weight)
     every = lp.double()
     p = every.exp()
     const = ((p * every.clamp_min(-1e30)).sum(-1)
@@ -188,7 +187,7 @@ def test_the_image_rows_pass_equals_the_full_rows_pass(monkeypatch, dtype, path)
     torch.testing.assert_close((on + const[keys]).to(dtype), kl, rtol=tol, atol=tol)
     assert torch.equal(at_on, at)
     torch.testing.assert_close(g_on, g, rtol=tol, atol=tol * float(g.abs().max()))
-    no_grad = image_rows.image_kl_on_image(u, probs, keys)
+    no_grad = image_kernel.image_kl_on_image(u, probs, keys)
     torch.testing.assert_close(no_grad[0], on, rtol=tol, atol=0.0)
     assert no_grad[2] is None
 
@@ -215,11 +214,12 @@ def test_image_from_logits_path_matches_reference(monkeypatch, temperature, with
                                                   into, lift):
     """The image form on CPU with one TP rank and the loss's weights given ahead: each block
     with chunk rows goes from its logits to its gradient a chunk row at a time
-    (``loss/image_block.py``; no raw sums, no [rows, |I|] products). The float64 reference's
+    (``loss/cpu/image_block.py``; no raw sums, no [rows, |I|] products). The float64 reference's
     loss and gradient; positions of no chunk row among the blocks, the rows split over the
     threads, the logits' gradient written over them or into a buffer of its own; ``lift``:
     logits 100 nats higher past column 256 (the exp pass moves its shift up)."""
-    from megatron_xdistill.loss import image_block, kernels
+    from megatron_xdistill.loss.cpu import image_block
+    from megatron_xdistill.loss.kernels import pkl as kernels
 
     case = _case()
     assert bool((predicting_chunk_id(case.student_chunk_id) < 0).any())  # orphan positions
@@ -253,7 +253,7 @@ def test_image_from_logits_path_matches_reference(monkeypatch, temperature, with
 def test_row_layout_is_the_projection_on_its_image():
     """:class:`image_block.RowLayout` (one-entry weight-1 rows as a column each, the others
     by their entries) holds exactly W on I, for a W with every kind of row."""
-    from megatron_xdistill.loss.image_block import RowLayout
+    from megatron_xdistill.loss.cpu.image_block import RowLayout
 
     gen = torch.Generator().manual_seed(3)
     vs, width = 40, 25
@@ -278,7 +278,7 @@ def test_row_layout_is_the_projection_on_its_image():
 def test_sample_weights_on_the_row_path_equal_the_recomputing_call(monkeypatch):
     """Per-sample weights with the loss's weights given ahead (the row path, which must weight
     each chunk row's KL and gradient) give the recomputing call's loss and gradient."""
-    from megatron_xdistill.loss import image_block
+    from megatron_xdistill.loss.cpu import image_block
 
     case = _case()
     payload = _payload(case, "image")
@@ -302,7 +302,7 @@ def test_image_from_logits_path_in_float64_matches_reference(monkeypatch):
     """Float64 logits (gradcheck's precision) on the row path: the blockwise passes' loss and
     gradient in float64 to 1e-11 (the same sums in another order), and the float64 reference's
     to 1e-6 (the payload's P is float32: 6e-8 relative an element)."""
-    from megatron_xdistill.loss import image_block
+    from megatron_xdistill.loss.cpu import image_block
 
     case = _case()
     payload = _payload(case, "image")

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_xdistill.loss import sorted_l1 as l1
-from megatron_xdistill.loss.image_projection import ImageProjection
-from megatron_xdistill.loss.shard import ProjectionShard
-from megatron_xdistill.loss.sorted_top import sorted_top, top_values
+from megatron_xdistill.loss.blocks.shard import ProjectionShard
+from megatron_xdistill.loss.cpu import sorted_l1 as l1
+from megatron_xdistill.loss.cpu.sorted_top import sorted_top, top_values
+from megatron_xdistill.loss.kernels.image_projection import ImageProjection
 
 VS, VT = 40, 90
 
@@ -114,7 +114,7 @@ def test_image_projection_backward_equals_autograd_of_the_dense_product(use_numb
 def test_row_exp_leaves_the_softmax_for_its_norm(dtype, alias):
     """out * norm is torch's softmax and lz its logsumexp, in float64; -inf columns; a row of
     -inf gives NaN probabilities; strided rows (a view of wider logits); out may be x."""
-    from megatron_xdistill.loss.cpu_rows import row_exp_
+    from megatron_xdistill.loss.cpu.rows import row_exp_
 
     gen = torch.Generator().manual_seed(2)
     for width in (1, 17, 5000):
@@ -145,7 +145,7 @@ def test_row_exp_moves_its_shift_up_where_a_later_piece_would_overflow(alias):
     ~e^62: rows whose maximum lies 40 (kept: exps up to e^40), 100 and 1,000 nats above
     their first piece (moved, once and twice), a first piece of -inf, +inf in a later piece
     (NaN, as torch), against float64."""
-    from megatron_xdistill.loss.cpu_rows import row_exp_
+    from megatron_xdistill.loss.cpu.rows import row_exp_
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 1000, generator=gen, dtype=torch.float64) * 3
@@ -318,8 +318,8 @@ def _gold_kernel(vs: int, common: int, n: int, rows: int, seed: int):
     """A GoldKernel (one TP rank, forward KL) on ``vs`` student columns, ``common`` of them
     paired, a payload of ``rows`` chunks keeping ``n`` uncommon probabilities, and a block's
     raw sums (summed logits of 1-3 positions, their log-partitions, counts)."""
-    from megatron_xdistill.loss.gold_kernel import GoldKernel
-    from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+    from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload
+    from megatron_xdistill.loss.kernels.gold import GoldKernel
 
     gen = torch.Generator().manual_seed(seed)
     common_ids = torch.randperm(vs, generator=gen)[:common]  # pair order, not sorted
@@ -372,7 +372,7 @@ def test_fast_exp_is_float32_exact_to_a_few_ulps_and_keeps_the_special_values():
     stays NaN; float64 rows take math.exp."""
     from numba import njit
 
-    from megatron_xdistill.loss.cpu_rows import FASTMATH, fast_exp
+    from megatron_xdistill.loss.cpu.rows import FASTMATH, fast_exp
 
     @njit(fastmath=FASTMATH)
     def exp_all(a, out):
@@ -402,7 +402,7 @@ def test_fast_log_is_float32_exact_to_a_few_ulps_and_keeps_the_special_values():
     elsewhere; log 0 = -inf, log of a negative number NaN, log inf = inf, NaN stays NaN."""
     from numba import njit
 
-    from megatron_xdistill.loss.cpu_rows import FASTMATH, fast_log
+    from megatron_xdistill.loss.cpu.rows import FASTMATH, fast_log
 
     @njit(fastmath=FASTMATH)
     def log_all(a, out):
@@ -431,7 +431,7 @@ def test_fast_log_is_float32_exact_to_a_few_ulps_and_keeps_the_special_values():
 def test_row_logsumexp_equals_torchs_in_float64(dtype):
     """Rows wide and narrow, one all -inf (-> -inf), one with a NaN (-> NaN), some -inf
     columns; no rows and no columns."""
-    from megatron_xdistill.loss.cpu_rows import row_logsumexp
+    from megatron_xdistill.loss.cpu.rows import row_logsumexp
 
     gen = torch.Generator().manual_seed(0)
     for width in (1, 17, 5000):
@@ -454,7 +454,7 @@ def test_row_logsumexp_equals_torchs_in_float64(dtype):
 def test_exp_spread_writes_softmax_times_c_plus_the_rows_gradient(dtype, alias):
     """exp(x - lz) c + alpha g[row] against torch (rows -1 or R: no g term; no g at all);
     ``out`` may be ``x`` itself; strided rows (a view of wider logits) are taken."""
-    from megatron_xdistill.loss.cpu_rows import exp_spread_
+    from megatron_xdistill.loss.cpu.rows import exp_spread_
 
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(7, 40, generator=gen, dtype=dtype) * 3
@@ -547,7 +547,7 @@ def test_sorted_l1_with_many_ties_has_topks_sum_over_every_group(memo):
 def test_blocks_end_where_chunks_end_and_hold_their_rows_whole(block_tokens):
     """Blocks cover the positions in order, each at least ``block_tokens`` long (but the
     last), ending where a chunk's run of positions ends; each holds its rows whole."""
-    from megatron_xdistill.loss.chunk_rows import build_chunk_rows
+    from megatron_xdistill.loss.blocks.chunk_rows import build_chunk_rows
 
     gen = torch.Generator().manual_seed(block_tokens)
     steps = torch.randint(0, 3, (2, 60), generator=gen)  # chunk ids: runs of 1+ positions
@@ -575,7 +575,7 @@ def test_each_blocks_rows_held_whole_or_split_are_found_once(seed):
     """The per-block row selections found once per call (concatenated, with offsets) equal a
     per-block search, relative to each block's first row; blocks without rows, or without
     selected rows, get none."""
-    from megatron_xdistill.loss.chunk_rows import Block, _rows_by_block
+    from megatron_xdistill.loss.blocks.chunk_rows import Block, _rows_by_block
 
     gen = torch.Generator().manual_seed(seed)
     num_rows = 40
@@ -595,10 +595,10 @@ def test_default_blocks_on_an_accelerator_fill_the_memory_share_and_cpu_keeps_it
     temporaries (``block_buffers`` fp32 [block, V] buffers) stay within BLOCK_MEMORY_SHARE of the
     logits, never smaller than the CPU rule; CPU and the column forms keep 64 MiB / 16 MiB
     blocks and their share of the positions."""
-    from megatron_xdistill.loss.block_size import BLOCK_MEMORY_SHARE, block_positions
-    from megatron_xdistill.loss.gold_kernel import GoldKernel
-    from megatron_xdistill.loss.kernel_choice import NoKernel
-    from megatron_xdistill.loss.kernels import ColumnsKernel, DenseKernel
+    from megatron_xdistill.loss.blocks.block_size import BLOCK_MEMORY_SHARE, block_positions
+    from megatron_xdistill.loss.kernels.gold import GoldKernel
+    from megatron_xdistill.loss.kernels.pkl import ColumnsKernel, DenseKernel
+    from megatron_xdistill.loss.student.kernel_choice import NoKernel
 
     n, v = 16384, 49152
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -645,8 +645,8 @@ def test_exact_rows_teacher_terms_equal_torchs(beta, dtype, step):
     """Per payload row: the divergence's terms outside I (forward KL: sum p log p with
     0 log 0 = 0, minus log(EPS) times the mass outside I; JSD: -beta log(beta) times that
     mass; reverse: none) and the first argmax over V_t; rows not asked for stay 0."""
-    from megatron_xdistill.loss import exact_rows
-    from megatron_xdistill.loss.common import EPS
+    from megatron_xdistill.loss.cpu import exact as exact_rows
+    from megatron_xdistill.loss.definitions.common import EPS
 
     lp, image, keys, _ = _exact_case(dtype)
     in_image = torch.zeros(60, dtype=torch.bool)
@@ -670,8 +670,8 @@ def test_exact_rows_teacher_terms_over_rows_of_several_pieces():
     """Rows longer than the pass's piece (each row is read a piece at a time): the first
     argmax wherever it lies (column 0, a later piece, the partial last piece, a tie between
     pieces: the earlier) and the terms as the float64 sums over the whole row."""
-    from megatron_xdistill.loss import exact_rows
-    from megatron_xdistill.loss.common import EPS
+    from megatron_xdistill.loss.cpu import exact as exact_rows
+    from megatron_xdistill.loss.definitions.common import EPS
 
     piece = exact_rows._PIECE
     width = 3 * piece + 100
@@ -700,7 +700,7 @@ def _image_kl_reference(u, lp, keys, image, const=None):
     """The forward KL of the rows ``keys`` against q = u / sum u on I; ``const`` the rows'
     teacher-only terms (None: from ``lp``, in float64: sum p log p - log(EPS) * mass outside
     I, the KL over all of V_t)."""
-    from megatron_xdistill.loss.common import EPS, TINY
+    from megatron_xdistill.loss.definitions.common import EPS, TINY
 
     if const is None:
         p = lp.double().exp()
@@ -723,7 +723,7 @@ def test_exact_rows_image_kl_over_rows_of_several_pieces():
     """Payload rows longer than the pass's piece: the KL over all of V_t against the float64
     sums, and both argmaxes wherever they lie (a tie between pieces: the earlier, as
     torch.argmax), with pieces that hold no column of I."""
-    from megatron_xdistill.loss import exact_rows
+    from megatron_xdistill.loss.cpu import exact as exact_rows
 
     piece = exact_rows._PIECE
     width = 4 * piece + 100
@@ -760,7 +760,7 @@ def test_exact_rows_image_kl_and_its_gradient_equal_autograds(dtype):
     """The forward KL on I per row, the argmax of u, and the direct gradient on u (per-row
     and scalar weights) against the plain torch formula and its autograd; in float64 also a
     row with no projected mass, where the floor TINY holds the sum (no normalisation term)."""
-    from megatron_xdistill.loss import exact_rows
+    from megatron_xdistill.loss.cpu import exact as exact_rows
 
     lp, image, keys, u = _exact_case(dtype)
     if dtype == torch.float64:

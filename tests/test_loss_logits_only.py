@@ -1,5 +1,5 @@
 """The loss's CPU path for kernels that read only the logits and log-partitions (gold / H-KL,
-CE alone; ``loss/cpu_rows.py``): no softmax buffer, the forward's log-partitions by one
+CE alone; ``loss/cpu/rows.py``): no softmax buffer, the forward's log-partitions by one
 exp-and-sum pass, the backward's gradient written from the logits.
 
 Against the float64 reference (CE: torch's ``cross_entropy``; gold / H-KL:
@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_xdistill.loss import cpu_rows, parallel_kd_loss
-from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
-from megatron_xdistill.loss.gold_kernel import GoldKernel
-from megatron_xdistill.loss.kernel_choice import NoKernel
+from megatron_xdistill.loss import parallel_kd_loss
+from megatron_xdistill.loss.cpu import rows as cpu_rows
+from megatron_xdistill.loss.definitions.common import common_vocab_from_dense, predicting_chunk_id
+from megatron_xdistill.loss.kernels.gold import GoldKernel
+from megatron_xdistill.loss.student.kernel_choice import NoKernel
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.testing.synthetic_kd import make_case
 

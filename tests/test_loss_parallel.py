@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_xdistill.loss import reference
-from megatron_xdistill.loss.common import common_vocab_from_dense, predicting_chunk_id
-from megatron_xdistill.loss.image_projection import teacher_image
+from megatron_xdistill.loss.definitions import reference
+from megatron_xdistill.loss.definitions.common import common_vocab_from_dense, predicting_chunk_id
+from megatron_xdistill.loss.kernels.image_projection import teacher_image
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.parallel.context_parallel import restore_from_cp_parts
 from megatron_xdistill.testing.multirank import RankPool

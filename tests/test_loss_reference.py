@@ -13,8 +13,12 @@ import math
 import pytest
 import torch
 
-from megatron_xdistill.loss import reference
-from megatron_xdistill.loss.common import EPS, common_vocab_from_dense, predicting_chunk_id
+from megatron_xdistill.loss.definitions import reference
+from megatron_xdistill.loss.definitions.common import (
+    EPS,
+    common_vocab_from_dense,
+    predicting_chunk_id,
+)
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.testing.synthetic_kd import make_case
 
@@ -235,7 +239,7 @@ def test_compressed_form_is_a_bound_that_tightens_with_k(realistic):
 def test_tail_row_sums_match_dense_products(rows):
     """The tail's p.r and p * (b + a r) equal the dense products, whether the row sums are
     split into a constant plus exceptions (normalised rows, fp32 rounding included) or not."""
-    from megatron_xdistill.loss.kernels import TailRowSums
+    from megatron_xdistill.loss.kernels.pkl import TailRowSums
 
     gen = torch.Generator().manual_seed(3)
     v = 0 if rows == "empty" else 400
@@ -260,8 +264,8 @@ def test_payload_rows_of_several_samples_are_gathered_not_copied_whole():
     """Routed payloads of several samples are a strided view into the flat rows; the loss
     gathers chunk rows from it without materialising the whole part (and gets the same rows
     as from a contiguous copy)."""
-    from megatron_xdistill.loss.block_data import rows_of
-    from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+    from megatron_xdistill.loss.blocks.block_data import rows_of
+    from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload
 
     spec = PayloadSpec("full", 5, 7)
     flat = torch.randn(3, spec.numel)
@@ -320,7 +324,7 @@ def test_exact_form_teacher_terms_do_not_depend_on_the_slice(monkeypatch, beta):
     read in slices of rows: one row a slice, the CPU's 32, and the whole payload at once (a
     GPU's few large slices) give the reference's KD sum and top-1 count."""
     from megatron_xdistill.loss import parallel_kd_loss
-    from megatron_xdistill.loss.kernels import DenseKernel
+    from megatron_xdistill.loss.kernels.pkl import DenseKernel
 
     case = make_case(batch=3, ts=96, tt=88, vs=50, vt=70, seed=11)
     spec = payload_spec("full", case.chunk_valid.shape[1], case.vt)
@@ -349,7 +353,7 @@ def test_exact_form_teacher_terms_do_not_depend_on_the_slice(monkeypatch, beta):
 
 def test_a_gpu_reads_the_teacher_terms_in_a_few_slices():
     """CPU: 32-row slices; elsewhere at most TEACHER_STEPS slices, never under 32 rows."""
-    from megatron_xdistill.loss.kernels import DenseKernel
+    from megatron_xdistill.loss.kernels.pkl import DenseKernel
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     assert DenseKernel.teacher_rows_per_step(11_000, cpu) == 32

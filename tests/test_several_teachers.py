@@ -105,7 +105,7 @@ def _per_sample_terms(root: Path, peer_root: Path, batch: dict, student,
     qwen text nats, peer text nats), with autograd into ``student``. ``qwen_topk`` 0: qwen's
     exact P-KL over all of its vocabulary."""
     from megatron_xdistill.data.dataset import teacher_view
-    from megatron_xdistill.loss.reference import kd_loss_details
+    from megatron_xdistill.loss.definitions.reference import kd_loss_details
 
     w, _ = _sparse_projection(root / "proj.safetensors")
     qwen = teacher_view(batch, 0)

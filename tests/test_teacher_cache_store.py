@@ -216,7 +216,7 @@ def test_checkpoint_fingerprint_follows_files_and_metadata(tmp_path):
 
 def _chunk_topk(mean: torch.Tensor, k: int, has: torch.Tensor):
     """Dense reference: each chunk's k most probable columns and the rest's mass (fp64)."""
-    from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+    from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload
 
     vals, cols = mean.topk(k, dim=-1)
     rest = mean.double().exp().sum(-1) - vals.double().exp().sum(-1)
@@ -251,7 +251,7 @@ def test_a_chunk_topk_payload_narrows_to_what_a_smaller_k_ships():
 def test_a_reading_run_at_a_smaller_chunk_topk_is_narrowed_else_refused():
     """The key check lets a reader take fewer chunk top-k columns than the cache holds (its
     rows narrowed on read), never more, and never another form."""
-    from megatron_xdistill.loss.payload import PayloadSpec
+    from megatron_xdistill.loss.definitions.payload import PayloadSpec
     from megatron_xdistill.teacher_cache.narrowing import narrowing
 
     def key(form, topk, extra=0):

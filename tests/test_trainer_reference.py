@@ -79,13 +79,13 @@ def reference_step(root: Path, batch: dict, student, kd: dict, *, ce_weight: flo
                    ) -> tuple[torch.Tensor, float, float]:
     """(loss with autograd into ``student``, KD, CE) of the global batch, densely.
 
-    ``kd``: keyword arguments of ``loss.reference.kd_loss_details`` (mode, temperature, reverse,
+    ``kd``: keyword arguments of ``loss.definitions.reference.kd_loss_details`` (mode, temperature, reverse,
     payload form). Each sample is its own teacher microbatch (as in the run, micro-batch size 1),
     which matters for the microbatch-global top-k. ``dynamic_group``: dynamic scaling over groups
     of that many consecutive samples (one microbatch over DP), else kd weight 1 and ``ce_weight``.
     ``sample_weights``: each sample's chunks count that many times (reward weighting).
     """
-    from megatron_xdistill.loss.reference import kd_loss_details
+    from megatron_xdistill.loss.definitions.reference import kd_loss_details
 
     w, matrix = _sparse_projection(root / "proj.safetensors")
     kd = dict(kd)

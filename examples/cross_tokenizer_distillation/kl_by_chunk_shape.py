@@ -72,8 +72,11 @@ def main(argv: list[str] | None = None) -> None:
     from megatron_xdistill.align import TokenAligner, load_tokenizer
     from megatron_xdistill.demo.assets import fetch_model
     from megatron_xdistill.demo.workflow import build_projection
-    from megatron_xdistill.loss.chunk_starts import chunk_start_ids, single_teacher_token_chunks
-    from megatron_xdistill.loss.reference import kd_loss_details
+    from megatron_xdistill.loss.definitions.chunk_starts import (
+        chunk_start_ids,
+        single_teacher_token_chunks,
+    )
+    from megatron_xdistill.loss.definitions.reference import kd_loss_details
     from megatron_xdistill.projection.first_token import first_token_heads
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,8 +1,21 @@
 """loss stage: vocab-parallel cross-tokenizer distillation losses (P-KL, gold, H-KL) + CE.
 
-Definitions are DESIGN.md's; :mod:`.reference` is the dense single-process version of them
-(``kd_loss``), and the parallel implementation must equal it. The training runtime uses three
-pieces, decoupled by a payload:
+Where things are (imports only go down this list)::
+
+    definitions/  the math, once: constants and the next-token shift, the per-chunk formulas,
+                  the dense reference every implementation equals (``kd_loss``), the payload
+    collectives.py, workspace.py   TP / CP collectives; scratch buffers kept between calls
+    cpu/          the CPU backend: Numba passes, a module per form's work
+    gpu/          the GPU backend: fused Triton row passes
+    blocks/       one call's layout: chunk rows, blocks of positions, W's rows on this rank
+    kernels/      each form's student kernel (pkl, image, gold): torch on any device, handing
+                  its passes to cpu/ or gpu/ where those serve
+    student/      the student-side driver: parallel_kd_loss, its plan, the totals
+    teacher.py    the teacher side: logits to a payload
+
+Definitions are docs/design.md's; :mod:`definitions.reference` is the dense single-process
+version of them, and the parallel implementation must equal it. The training runtime uses
+three pieces, decoupled by a payload:
 
 **1. Teacher side** (every rank of the teacher's last pipeline stage, per microbatch)::
 
@@ -73,15 +86,30 @@ partial sums take one TP all-reduce (after all blocks for "topk"/"chunk_topk", p
 reduction (recomputed, not stored) and one [block] TP all-reduce (P-KL).
 """
 
-from .block_size import BLOCK_BYTES
-from .common import EPS, UNCOMMON_TOPK, common_vocab_from_dense, predicting_chunk_id
-from .image_projection import teacher_image
-from .payload import PayloadSpec, TeacherPayload
-from .reference import kd_loss
-from .shard import ProjectionShard
-from .student import KDTerms, forward_writes_gradient, parallel_kd_loss
-from .teacher import payload_spec, teacher_payload
-from .total import combined_loss, counted_chunks, global_sums, student_split_chunks, total_loss
+from megatron_xdistill.loss.blocks.block_size import BLOCK_BYTES
+from megatron_xdistill.loss.blocks.shard import ProjectionShard
+from megatron_xdistill.loss.definitions.common import (
+    EPS,
+    UNCOMMON_TOPK,
+    common_vocab_from_dense,
+    predicting_chunk_id,
+)
+from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload
+from megatron_xdistill.loss.definitions.reference import kd_loss
+from megatron_xdistill.loss.kernels.image_projection import teacher_image
+from megatron_xdistill.loss.student.parallel_loss import (
+    KDTerms,
+    forward_writes_gradient,
+    parallel_kd_loss,
+)
+from megatron_xdistill.loss.student.total import (
+    combined_loss,
+    counted_chunks,
+    global_sums,
+    student_split_chunks,
+    total_loss,
+)
+from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 
 __all__ = [
     "BLOCK_BYTES",

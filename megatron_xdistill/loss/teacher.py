@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from . import exact_rows
-from .block_size import BLOCK_BYTES
-from .chunk_rows import ChunkRows, build_chunk_rows
-from .collectives import Group, all_gather, all_reduce, group_rank
-from .common import TINY, UNCOMMON_TOPK
-from .payload import PayloadSpec, TeacherPayload, float64_as_pair
+from megatron_xdistill.loss.blocks.block_size import BLOCK_BYTES
+from megatron_xdistill.loss.blocks.chunk_rows import ChunkRows, build_chunk_rows
+from megatron_xdistill.loss.collectives import Group, all_gather, all_reduce, group_rank
+from megatron_xdistill.loss.cpu import exact as exact_rows
+from megatron_xdistill.loss.definitions.common import TINY, UNCOMMON_TOPK
+from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload, float64_as_pair
 
 
 def payload_spec(form: str, num_chunks: int, teacher_vocab_size: int, topk: int | None = None,
@@ -27,7 +27,7 @@ def payload_spec(form: str, num_chunks: int, teacher_vocab_size: int, topk: int 
     """The payload shape for a loss configuration (known before any data: for routing plans).
 
     ``form``: "full" (exact P-KL), "image" (exact P-KL on W's image of ``num_image`` teacher
-    ids, :func:`~.image_projection.teacher_image`), "topk" (``topk`` microbatch-global
+    ids, :func:`kernels.image_projection.teacher_image`), "topk" (``topk`` microbatch-global
     columns), "chunk_topk" (``topk`` columns per chunk + tail) or "gold" (``num_common``
     common pairs).
     """
@@ -181,7 +181,7 @@ def teacher_payload(
     -1 none, slots < ``spec.num_chunks``); ``vocab_size``: the real teacher vocabulary V_t;
     ``common_teacher_ids``: the teacher side of the common pairs (gold form);
     ``image_teacher_ids``: W's image, ascending (image form,
-    :func:`~.image_projection.teacher_image`).
+    :func:`kernels.image_projection.teacher_image`).
     """
     if logits.dim() != 3 or pred_chunk_id.shape != logits.shape[:2]:
         raise ValueError(f"teacher logits [B, T, V] {tuple(logits.shape)} and chunk ids "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_xdistill.loss.payload import PayloadSpec, TeacherPayload
+from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_xdistill.loss.common import dense_to_rows
+from megatron_xdistill.loss.definitions.common import dense_to_rows
 
 
 @dataclass
@@ -44,7 +44,7 @@ class SyntheticCase:
         """(loss, gradient [B, T_s, V_s]) in float64 of the mean CE over the labels (with
         ``with_ce``) plus ``reference.kd_loss`` (``mode`` "ce": CE alone), on the real student
         logits (first rounded to ``rounded_to``, e.g. bf16, when given)."""
-        from megatron_xdistill.loss import reference
+        from megatron_xdistill.loss.definitions import reference
 
         z = self.real_student_logits
         z = (z if rounded_to is None else z.to(rounded_to)).double().requires_grad_(True)

@@ -23,12 +23,12 @@ from megatron_xdistill.loss import (
     teacher_image,
     teacher_payload,
 )
-from megatron_xdistill.loss.chunk_starts import (
+from megatron_xdistill.loss.collectives import all_reduce
+from megatron_xdistill.loss.definitions.chunk_starts import (
     chunk_start_ids,
     merge_into_heads,
     single_teacher_token_chunks,
 )
-from megatron_xdistill.loss.collectives import all_reduce
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.teachers.spec import TeacherSpec
 
