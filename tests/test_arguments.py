@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_xdistill.training.argument_checks import parse_args
+from megatron_xdistill.training.arguments.checks import parse_args
 
 
 def test_defaults_are_derived(base):

@@ -86,7 +86,7 @@ def _run_main(argv: list[str]) -> int:
 def refusal(argv: list[str], world: int = WORLD) -> str:
     """The one message ``pretrain_xdistill.py`` refuses ``argv`` with, from the checks it makes
     before anything is built (what rank 0 prints; its ranks then exit with code 2)."""
-    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.arguments.checks import parse_args
     from megatron_xdistill.training.preflight import check_model_shapes, run_preflight
     from megatron_xdistill.training.user_errors import InputError
 
@@ -277,7 +277,7 @@ def test_a_resumed_run_with_another_schedule_follows_the_flag_or_is_refused(e2e_
     argv = _argv(root, s_tok, t_tok, "sched_refused", longer)
     assert e2e_pool.run(_run_main, argv) == [2] * WORLD
     assert not (root / "sched_refused.jsonl").exists()  # refused before anything ran
-    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.arguments.checks import parse_args
     from megatron_xdistill.training.preflight import check_resume
 
     with pytest.raises(ValueError, match=r"(?s)--save .*run: the learning-rate schedule .*"

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from megatron_xdistill.training.argument_checks import parse_args
+from megatron_xdistill.training.arguments.checks import parse_args
 from megatron_xdistill.training.lr_schedule import LRSchedule
 from megatron_xdistill.training.resume_schedule import (
     SCHEDULE_KEY,

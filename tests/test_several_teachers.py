@@ -304,7 +304,7 @@ def test_selection_takes_each_sample_from_its_lowest_ce_teacher(setup):
 def _parse(tmp_path: Path, config: dict, extra: list[str] = (), world: int = 1):
     import yaml
 
-    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.arguments.checks import parse_args
 
     path = tmp_path / "teachers.yaml"
     path.write_text(yaml.safe_dump(config))

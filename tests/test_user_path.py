@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from shared_assets import TOKENIZERS, needs_shared_assets
 
-from megatron_xdistill.training.argument_checks import parse_args
+from megatron_xdistill.training.arguments.checks import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "pretrain_xdistill.py: error: "

@@ -118,7 +118,7 @@ def check_models(args: argparse.Namespace) -> None:
     """Each model's configuration (its checkpoint's description) against its layout: attention
     heads and query groups divisible by TP, layers by PP, naming the flag to change."""
     from megatron_xdistill.models.description import load_model_info
-    from megatron_xdistill.training.megatron_flags import architecture_mismatches
+    from megatron_xdistill.training.arguments.megatron_lm import architecture_mismatches
 
     for who, load, prefix, view in _sides(args):
         info = load_model_info(load)

@@ -49,7 +49,7 @@ def init_distributed(timeout_minutes: float, backend: str | None = None) -> bool
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: returns the process exit code. Arguments are parsed and checked first
     (``--help`` and every argument error come before torch.distributed or Megatron start)."""
-    from megatron_xdistill.training.argument_checks import parse_args
+    from megatron_xdistill.training.arguments.checks import parse_args
     from megatron_xdistill.training.run_log import quiet_known_warnings
 
     started = time.monotonic()

@@ -73,7 +73,7 @@ def _derive_teacher_lengths(args, documents, tokenizers) -> list[int]:
     tokenizer, else derived from the data (rank 0, which holds the documents; :func:`read_corpus`
     hands the lengths to the others)."""
     from megatron_xdistill.data.lengths import teacher_length_from_data
-    from megatron_xdistill.training.argument_checks import sequence_multiple
+    from megatron_xdistill.training.arguments.checks import sequence_multiple
 
     lengths = []
     several = len(args.teachers) > 1
@@ -101,7 +101,7 @@ def _derive_teacher_lengths(args, documents, tokenizers) -> list[int]:
 def _set_teacher_lengths(args, lengths: list[int]) -> None:
     """Record each teacher's length in its spec (``--teacher-seq-length``: the first's),
     checked against its layout."""
-    from megatron_xdistill.training.argument_checks import check_sequence_length
+    from megatron_xdistill.training.arguments.checks import check_sequence_length
 
     args.teachers = [spec.with_seq_length(n) for spec, n in zip(args.teachers, lengths,
                                                                 strict=True)]

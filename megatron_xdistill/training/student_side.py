@@ -28,7 +28,7 @@ from megatron_xdistill.teachers.combination import Combination, choose_teachers
 from megatron_xdistill.training.checkpointing import load_checkpoint, save_checkpoint
 from megatron_xdistill.training.clocks import LossClock, PhaseTimes, device_now
 from megatron_xdistill.training.kd_adapter import KDObjective
-from megatron_xdistill.training.schedule import run_schedule
+from megatron_xdistill.training.pipeline import run_schedule
 from megatron_xdistill.training.side_config import StudentSideConfig
 
 

@@ -17,7 +17,7 @@ from megatron_xdistill.data.dataset import collate_samples, teacher_view
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.parallel.teacher_batches import TeacherBatching
 from megatron_xdistill.training.kd_adapter import KDObjective
-from megatron_xdistill.training.schedule import run_schedule
+from megatron_xdistill.training.pipeline import run_schedule
 from megatron_xdistill.training.side_config import TeacherSideConfig
 
 

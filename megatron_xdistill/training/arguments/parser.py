@@ -1,7 +1,7 @@
 """Command-line arguments of ``pretrain_xdistill.py``, in Megatron-LM's names and style.
 
 Teacher-side arguments mirror the student's with a ``--teacher-`` prefix. The parser and the
-options derived from its values; :mod:`.argument_checks` validates them.
+options derived from its values; :mod:`.checks` validates them.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from megatron_xdistill.onpolicy.arguments import add_onpolicy_arguments
 from megatron_xdistill.parallel.placement import PLACEMENTS
 from megatron_xdistill.teachers.spec import COMBINATIONS
-from megatron_xdistill.training.config_file import parse_with_config
-from megatron_xdistill.training.megatron_flags import (
+from megatron_xdistill.training.arguments.config_file import parse_with_config
+from megatron_xdistill.training.arguments.megatron_lm import (
     MegatronArgumentParser,
     add_megatron_lm_arguments,
 )

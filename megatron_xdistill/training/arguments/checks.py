@@ -1,6 +1,6 @@
 """Validation of ``pretrain_xdistill.py``'s arguments: everything that can be checked before any
 model is built (sizes, layouts, paths, the teacher caches), each message saying what to change;
-and :func:`parse_args`, which parses (:mod:`.arguments`) and validates."""
+and :func:`parse_args`, which parses (:mod:`.parser`) and validates."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from megatron_xdistill.onpolicy.arguments import check_onpolicy_args
 from megatron_xdistill.parallel.placement import Placement
 from megatron_xdistill.parallel.shape import ParallelLayout
 from megatron_xdistill.teachers.spec import teachers_from_args
-from megatron_xdistill.training.arguments import (
+from megatron_xdistill.training.arguments.megatron_lm import check_megatron_lm_arguments
+from megatron_xdistill.training.arguments.parser import (
     KD_LOSSES,
     TOPK_MODES,
     parse_command_line,
     trains_ce_only,
 )
-from megatron_xdistill.training.megatron_flags import check_megatron_lm_arguments
 
 
 def _check(condition: bool, message: str) -> None:
