@@ -23,6 +23,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+from results import write_rows  # noqa: E402
 
 from megatron_xdistill.align import TokenAligner, load_tokenizer  # noqa: E402
 
@@ -108,6 +109,10 @@ def main() -> None:
                          enumerate(zip(r, widths))))
         if k == 0:
             print("-|-".join("-" * w for w in widths))
+    write_rows("bench_align", [
+        {"pair": p, "path": m, "docs": d, "student_tokens": s, "teacher_tokens": t,
+         "seconds": sec, "tokens_per_s_core": (s + t) / sec} for p, m, d, s, t, sec in rows],
+        params={"corpus": args.corpus, "repeat": args.repeat})
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from results import write_rows
 
 from megatron_xdistill.align import TokenAligner, load_tokenizer
 from megatron_xdistill.align.coverage import CoverageStats
@@ -38,6 +39,7 @@ def main() -> None:
           f"| {'teacher tok %':>13} | {'inexact chunks':>14} | paths agree")
     print("-" * 107)
     worst = 1.0
+    rows = []
     t0 = time.perf_counter()
     for corpus in CORPORA:
         with open(ASSETS / "corpora" / f"{corpus}.jsonl", encoding="utf-8") as f:
@@ -58,7 +60,13 @@ def main() -> None:
                   f"{100 * cov.student_token_coverage:13.3f} | "
                   f"{100 * cov.teacher_token_coverage:13.3f} | {cov.chunks - cov.exact_chunks:14d} | "
                   f"{'yes' if agree else 'NO'}")
+            rows.append({"corpus": corpus, "student": s, "teacher": t,
+                         "chars_pct": 100 * cov.char_coverage,
+                         "student_tokens_pct": 100 * cov.student_token_coverage,
+                         "teacher_tokens_pct": 100 * cov.teacher_token_coverage,
+                         "inexact_chunks": cov.chunks - cov.exact_chunks, "paths_agree": agree})
     print(f"lowest character coverage {100 * worst:.3f}% ({time.perf_counter() - t0:.0f} s)")
+    write_rows("bench_align_coverage", rows, params={"max_chars": args.max_chars})
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import psutil
+from results import write_rows
 
 MODELS = Path(os.environ.get("XDISTILL_ASSETS", Path.home() / ".cache" / "xdistill-assets")) \
     / "models"
@@ -113,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|{'-' * 30}|{'-' * 10}|{'-' * 27}|{'-' * 30}|")
     for label, wall, pss, rss in rows:
         print(f"| {label:<28} | {wall:8.1f} | {pss:25.2f} | {rss:28.2f} |")
+    write_rows("bench_conversion", [
+        {"step": label, "seconds": wall, "peak_pss_gib": pss, "peak_rss_gib": rss}
+        for label, wall, pss, rss in rows],
+        params={"model": args.model, "dtype": args.dtype, "cores": args.cores,
+                "hf_weights_gib": hf_size, "checkpoint_gib": ckpt_size})
     return 0
 
 

@@ -19,6 +19,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from results import write_rows
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cross_tokenizer_distillation"
 
 SMALL = [
@@ -61,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     print(report.summary_table(results))
     for line in report.verdict(results):
         print(line)
+    write_rows("bench_distill_quality", [
+        {"model": r["label"], "bits_per_byte": r["bpb"], "ce_per_token": r["ce"],
+         "tokens": r["tokens"], "vs_before": r["delta"]} for r in report.rows(results)],
+        params={"steps": cfg.steps, "global_batch_size": cfg.train.global_batch_size,
+                "seq_length": cfg.train.seq_length, "lr": cfg.train.lr, "seed": cfg.seed})
     return 0
 
 

@@ -768,6 +768,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'fresh buffer' if args.fresh_grad else 'over the logits'}, "
           f"{'recomputed in the backward' if args.recompute else 'written by the forward'}")
     print(head)
+    kept = []  # the printed rows, for benchmarks/results.py
     for tokens in args.tokens:
         for vs in args.vs:
             base = dict(tokens=tokens, vs=vs, vt=args.vt, topk=args.topk, dtype=args.dtype,
@@ -786,10 +787,19 @@ def main(argv: list[str] | None = None) -> None:
                       f"{r[clock] / ce[clock]:>5.2f} {r['extra_gib']:>9.3f} {net:>11.3f} "
                       f"{100 * net / r['logits_gib']:>7.1f}% "
                       f"{_positions_a_block(name, tokens, vs, args):>9}", flush=True)
+                kept.append({"tokens": tokens, "vs": vs, "method": name, **{
+                    k: v for k, v in r.items() if k != "profile"},
+                    "x_ce": r[clock] / ce[clock], "net_gib": net,
+                    "net_pct_logits": 100 * net / r["logits_gib"],
+                    "positions_a_block": _positions_a_block(name, tokens, vs, args)})
             for name, r in rows:
                 if r.get("profile"):
                     print(f"\n{name}, {tokens} tokens, V_s {vs}: one forward + backward\n"
                           f"{r['profile']}", flush=True)
+    from results import write_rows
+
+    write_rows("bench_loss", kept, params={k: v for k, v in vars(args).items()
+                                           if k not in ("tokens", "vs")})
 
 
 if __name__ == "__main__":

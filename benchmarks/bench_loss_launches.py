@@ -1,8 +1,6 @@
 """Device operations the student-side loss issues per block of positions, per form (CPU is enough).
 
-On a GPU the loss is bound by kernel launches, not arithmetic: on one H200 at 16k tokens the
-chunk top-k form ran 6,105 kernels in a forward + backward that kept the GPU busy for 21.7 ms of
-its 94 ms (2026-11-26). Every block of positions repeats the same sequence of operations, so the
+On a GPU the loss at small sizes is bound by kernel launches, not arithmetic. Every block of positions repeats the same sequence of operations, so the
 operations per block (times the number of blocks: ~48 at 16k tokens x 49k vocabulary and the
 default 64 MiB blocks) decide that overhead. This counts them with a TorchDispatchMode (each
 non-view aten operation is one kernel, or a few, on CUDA), for one and for many blocks of the same
@@ -12,49 +10,16 @@ not depend on the machine.
   python benchmarks/bench_loss_launches.py [--forms topk chunk_topk gold full image] [--ce]
       [--gpu-paths] [--forward-grad]
 
-Measured (torch 2.13 CPU, 2026-11-26; 2,048 positions, V_s 4,096, V_t 6,000, k = 64; fused CE;
-before = commit 74eaced, after = the W entries expanded once per call (``loss/blocks/block_entries.py``),
-per-position label and block-row arithmetic done once per call, no TP reductions with one TP rank;
-"after" re-measured at the commit that added ``StudentLossPlan._factor`` (then ``_Plan``)):
-
-  form         ops / block          ops / call
-               before   after      before   after
-  topk          184.7    20.7        483     300
-  chunk_topk    208.6    37.2        566     373
-  gold          182.3   103.9       1155    1052
-  full          164.5    93.7       1335    1302
-
-GPU paths (``--gpu-paths``, CE fused), 2026-11-27 (commit 3b9a82e): gold 98.8 -> 88.7 and full 93.3 -> 86.6
-operations per block when a block's rows are all held by the rank (no CP split: the KL takes
-the block's raw sums as they are, no [rows, V] row selections or zero-filled gradients).
-
-On the H200 (16k tokens, V_s 49,152, fp32, k = 256, 64 MiB blocks): chunk top-k 59 -> 30 ms,
-top-k 39 -> 26 ms against Megatron CE's 12 ms (bench_loss.py's table).
-
-GPU paths with every Numba choice answered no (2026-11-29; before, gold had taken the CPU's
-logits-only blocks here and the exact forms the CPU's Numba rows), CE not fused; before = commit
-fbac932, after = the image form's KL and gradient made together by torch operations (no
-autograd recompute of the KL), the projection's rows from the blocks' row map and without the
-unit factor's product, its backward's <p, h> one batched product with inv_t taken on [rows,
-|I|], a block's KL and top-1 sums written into a per-call table, the log-partition written in
-place (commit 070b99b); then gold's forward KL and its gradient made together by torch
-operations with one TP rank (its means over all columns once, no autograd recompute), its
-block gradient without TP's reduction or the unit factor's product with one TP rank;
-"forward-written" = ``--forward-grad`` (training's one-teacher call):
-
-  form         ops / block, recomputed     ops / block, forward-written
-               before   after              before   after
-  topk           19.5    18.5                19.5    18.5
-  chunk_topk     36.0    35.0                36.0    35.0
-  gold           88.2    69.4                84.0    46.6
-  full           86.1    66.5                77.8    61.6
-  image          82.7    56.4                74.5    40.5
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from results import write_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
 #: aten operations that only make views (no kernel).
@@ -167,12 +132,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'form':<12} {'ops / block':>11} {'ops / call':>10} {'blocks':>7}   (CE fused: "
           f"{'yes' if args.ce else 'no'}; {'GPU' if args.gpu_paths else 'CPU'} paths; gradient "
           f"{'by the forward' if args.forward_grad else 'recomputed'})")
+    rows = []
     for form in args.forms:
         few_ops, few = count_ops(form, args.ce, 64, args.forward_grad)
         many_ops, many = count_ops(form, args.ce, 16, args.forward_grad)
+        if many == few:  # this path takes the call whole (CPU gold: its Numba rows)
+            print(f"{form:<12} {'-':>11} {few_ops:>10.0f} {few:>3} (one pass, no blocks)",
+                  flush=True)
+            rows.append({"form": form, "ops_per_block": None, "ops_per_call": few_ops,
+                         "blocks": f"{few}"})
+            continue
         per_block = (many_ops - few_ops) / (many - few)
         print(f"{form:<12} {per_block:>11.1f} {few_ops - per_block * few:>10.0f} "
               f"{few:>3}-{many:<3}", flush=True)
+        rows.append({"form": form, "ops_per_block": per_block,
+                     "ops_per_call": few_ops - per_block * few, "blocks": f"{few}-{many}"})
+    write_rows("bench_loss_launches", rows,
+               table="gpu_paths" if args.gpu_paths else "cpu_paths",
+               params={"ce_fused": args.ce, "forward_grad": args.forward_grad,
+                       "gpu_paths": args.gpu_paths})
 
 
 if __name__ == "__main__":

@@ -11,17 +11,9 @@ Rows vary the response length; the generation batch is each replica's share of t
 
 Each row is the mean of steps 2..N (the first is warm-up). ``tokens/s`` is one replica's newly
 generated tokens per second of generation (every rank of a replica decodes together).
-Measured on 2 CPU cores (fp32, one thread per rank; student DP 2, teacher TP 2; global batch 4
-prompts, 2 per replica; sampling at temperature 1; 2026-11-26, commit 8d3e552 + the metrics fix):
-
-  | max new tokens | mean response | generate s | tokens/s (replica) | teacher s | student s | wall s | generating share |
-  | 16             | 15.2          | 2.97       | 10.2               | 5.47      | 3.71      | 13.30  | 22%              |
-  | 64             | 48.2          | 10.34      | 10.5               | 6.73      | 4.75      | 22.88  | 45%              |
-
-Decoding costs about 0.2 s per step of a batch of 2 here (30 layers, each step one Megatron
-forward of one token per sequence over the KV cache), so the share grows with the response
-length: at 64 new tokens generation is the largest phase of the step. The teacher's forward
-and the student's training grow only with the sequence length. GPU numbers: next device session.
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +25,8 @@ import shutil
 import statistics
 import tempfile
 from pathlib import Path
+
+from results import write_rows
 
 PROMPTS = [f"What is {a} + {b}?" for a, b in [(12, 34), (56, 7), (81, 19), (23, 45), (67, 89),
                                               (10, 90), (44, 55), (31, 62)]]
@@ -112,6 +106,10 @@ def main() -> None:
         print(f"| {r['new_tokens']} | {r['response']:.1f} | {r['generate']:.2f} | "
               f"{r['tokens_per_s']:.1f} | {r['teacher']:.2f} | {r['student']:.2f} | "
               f"{r['wall']:.2f} | {100 * r['share']:.0f}% |")
+    write_rows("bench_onpolicy", rows,
+               params={"device": args.device, "nproc": args.nproc, "bf16": args.bf16,
+                       "global_batch_size": args.global_batch_size,
+                       "random_weights": args.random_weights, "train_iters": args.train_iters})
 
 
 if __name__ == "__main__":

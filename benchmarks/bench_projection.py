@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results import write_rows
+
 ASSETS = Path(
     os.environ.get(
         "XDISTILL_SHARED_ASSETS", Path(__file__).resolve().parents[2] / "shared" / "assets"
@@ -84,6 +86,7 @@ def main() -> None:
     print(f"projection build, {args.cores} cores")
     print(header)
     print("-" * len(header))
+    rows = []
     for pair in args.pairs:
         student, teacher = pair.split(":")
         for name, options in CONFIGS.items():
@@ -96,6 +99,13 @@ def main() -> None:
                 f"{c['reverse']:>7} {c['special']:>7} {c['empty']:>6}",
                 flush=True,
             )
+            rows.append({"pair": f"{student} -> {teacher}", "config": name,
+                         "load_s": r["load_s"], "build_s": r["build_s"],
+                         "total_s": r["total_s"], "peak_rss_gib": r["peak_rss_gib"],
+                         "exact": c["exact"] + c["exact_alias"], "multi_token": c["multi_token"],
+                         "bytes": c["bytes"], "reverse": c["reverse"], "special": c["special"],
+                         "empty": c["empty"]})
+    write_rows("bench_projection", rows, params={"cores": args.cores})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,9 @@
 """Gold / H-KL's costliest step: the n largest uncommon probabilities of each chunk row, sorted.
 
 The gold form compares the sorted uncommon probabilities of student and teacher (ULD); on a GPU
-``torch.topk(8192)`` over ~24k uncommon columns took 55 ms of gold's 154 ms busy time at 16k
-tokens (H200 profile, 2026-11-26). This times the ways to get those values, forward only and
-forward + backward (the gradient goes back to the columns they came from), so the next device
-session can pick the fastest from one call. On CPU, 256 rows, 1 thread (AMD EPYC, where NumPy's
-sort is not SIMD; 2026-11-28), forward / forward + backward: topk 91 / 98 ms, sort 221 / 228,
-NumPy's partition + sort (the CPU path until then) 73 / 214, the radix kernel 16 / 26 (e42a1b4).
+``torch.topk(8192)`` over ~24k uncommon columns is a large share of gold's time. This times the
+ways to get those values, forward only and forward + backward (the gradient goes back to the
+columns they came from):
 
   topk          x.topk(n, sorted=True).values (what runs on an accelerator today)
   sort          x.sort(descending=True).values[:, :n] (a full segmented sort)
@@ -17,6 +14,7 @@ NumPy's partition + sort (the CPU path until then) 73 / 214, the radix kernel 16
 
 Each row of the table: mean milliseconds per call over ``--repeat`` calls after one warm-up, and
 whether the values equal topk's (they must, to the last bit, for the method to be usable).
+The rows are kept as a result file under ``benchmarks/results/`` (``benchmarks/results.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import argparse
 import time
 
 import torch
+from results import write_rows
 
 
 def _sync(device: torch.device) -> None:
@@ -76,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'rows':>6} {'method':<8} {'pass':<18} {'ms / call':>10} {'equals topk':>12}",
           flush=True)
     gen = torch.Generator().manual_seed(0)
+    kept = []
     for rows in args.rows:
         logits = torch.randn(rows, args.width, generator=gen) * 3
         x = torch.softmax(logits, dim=1).to(device)  # probabilities, as gold sorts them
@@ -87,6 +87,12 @@ def main(argv: list[str] | None = None) -> None:
                 ms = _time(fn, x, args.n, backward, args.repeat, device)
                 print(f"{rows:>6} {name:<8} {'forward + backward' if backward else 'forward':<18} "
                       f"{ms:>10.2f} {str(same):>12}", flush=True)
+                kept.append({"rows": rows, "method": name,
+                             "pass": "forward + backward" if backward else "forward",
+                             "ms_per_call": ms, "equals_topk": same})
+    write_rows("bench_sorted_top", kept,
+               params={"device": args.device, "width": args.width, "n": args.n,
+                       "repeat": args.repeat, "threads": torch.get_num_threads()})
 
 
 if __name__ == "__main__":

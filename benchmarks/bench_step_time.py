@@ -8,45 +8,17 @@ cross-tokenizer loss's forward + recomputing backward, part of ``student``.
 
   python benchmarks/bench_step_time.py [--train-iters 5] [--kd-topk 64 0] [--seq-length 128]
       [--placements colocated disaggregated] [--teacher-ranks 1]
+  python benchmarks/bench_step_time.py --device cuda --random-weights --nproc 1 --bf16 \
+      --seq-length 2048 --micro-batch-size 2 --global-batch-size 8 --kd-topk 64   # one GPU
 
-Models, checkpoints and the projection are fetched/converted/built once and cached
-(``megatron_xdistill.demo.assets.cache_dir``). Measured on 2 CPU cores (s per step, steps 2..5):
-
-  placement      payload               teacher  route  student (loss)  optim   wall  tokens/s  B/token
-  colocated      chunk top-64 + tail     6.64   0.01     4.52  (0.24)   0.66  11.86        43       524
-  colocated      full vocabulary         8.34   0.10     6.96  (1.90)   0.88  16.38        31   612,496
-  disaggregated  chunk top-64 + tail    11.50   2.75     7.81  (0.33)   0.57  11.13        46       524
-  disaggregated  full vocabulary        11.76   0.00    10.94  (3.18)   0.60  11.56        44   612,496
-
-The loss column at 2026-11-28 (same command, colocated; A/B of fa015af and the commit that set
-a floor of 8 positions a block, ``loss/blocks/block_size.py``, runs alternated twice): full vocabulary
-0.91-0.92 -> 0.53-0.60 s a step, chunk top-64 0.13-0.16 -> 0.10-0.13 s (a rank's micro-batch is
-128 tokens: the 1/128 share made blocks of one position). Since 7e44447 (before
-``loss/cpu/exact.py``) the full-vocabulary loss went from 0.82-1.04 s a step.
-
-Disaggregated = 1 teacher rank + 1 student rank (one node: payloads through shared-memory
-slots): the teacher's forward of step k+1 overlaps the student's step k, so a step costs the
-slower side, not the sum. With full-vocabulary payloads the student is the slower side (the
-teacher keeps ahead, route 0.00 s: 1.42x colocated tokens/s); with compact ones the single
-teacher rank is (the student waits 2.75 s for it: 1.07x). Give the teacher more ranks
-(--teacher-ranks) until the two sides balance.
-
-On one H100 (bf16, torch-native layers: TransformerEngine is not installed there; the demo pair's
-published architectures with random weights, ``--device cuda --random-weights --nproc 1 --bf16
---seq-length 2048 --micro-batch-size 2 --global-batch-size 8 --kd-topk 64``, steps 2..5):
-
-  placement   payload               teacher  route  student (loss)  optim   wall  tokens/s  B/token
-  colocated   chunk top-64 + tail      0.81   0.00     1.55  (0.55)   0.01   2.38     6,901      520
-
-The step costs the sum of its phases (2.38 s vs 0.81 + 1.55 + 0.01 = 2.37: ratio 1.00); the
-cross-tokenizer loss is 23% of it (see bench_loss.py's GPU table).
-
-The same command on one H200 (2026-11-26, an intermediate state of commit 76a1e6a: the loss's W
-entries expanded once per call,
-``loss/blocks/block_entries.py``; steps 2..5 from the run's log, the process was stopped before its
-table): teacher 0.90 s, student 1.26 s (loss 0.27), optimizer 0.01 s, wall 2.18 s, 7,570
-tokens/s; ratio wall / (teacher + student + optimizer) = 1.00, the loss 12% of the step. On CUDA the phase clocks
-synchronise the device at each boundary, so the split is of GPU time too.
+``--kd-topk 0`` is the exact form, whose teacher ships its columns in W's image (not the full
+vocabulary). Disaggregated = ``--teacher-ranks`` teacher ranks + the rest student ranks: the
+teacher's forward of step k+1 overlaps the student's step k, so a step costs the slower side.
+Models, checkpoints and the projection are fetched / converted / built once and cached
+(``megatron_xdistill.demo.assets.cache_dir``).
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +29,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from results import write_rows
 
 PHASES = ("teacher", "route", "student", "loss", "optimizer")
 
@@ -104,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int, default=5)
     parser.add_argument("--kd-topk", type=int, nargs="+", default=[64, 0],
-                        help="payload forms to time (0 = full teacher vocabulary)")
+                        help="payload forms to time (0 = the exact form: the teacher's columns in W's "
+                             "image, not its full vocabulary)")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--placements", nargs="+", default=["colocated"],
@@ -168,11 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("|" + "---|" * (len(PHASES) + 7))
     for placement, topk, (mean, wall, tok_s, bpt, fill) in rows:
-        name = f"chunk top-{topk} + tail" if topk else "full vocabulary"
+        name = f"chunk top-{topk} + tail" if topk else "exact (W's image)"
         cells = " | ".join(f"{mean[p]:.2f}" for p in PHASES)
         parts = mean["teacher"] + mean["student"] + mean["optimizer"]
         print(f"| {placement} | {name} | {cells} | {wall:.2f} | {wall / parts:.2f} | "
               f"{tok_s:.0f} | {bpt:,.0f} | {fill:.1%} |")
+    write_rows("bench_step_time", [
+        {"placement": placement, "payload": f"chunk top-{topk} + tail" if topk
+         else "exact (W's image)", **{p: mean[p] for p in PHASES}, "wall": wall,
+         "wall_over_phases": wall / (mean["teacher"] + mean["student"] + mean["optimizer"]),
+         "tokens_per_s": tok_s, "bytes_per_token": bpt, "teacher_fill": fill}
+        for placement, topk, (mean, wall, tok_s, bpt, fill) in rows],
+        params={"device": args.device, "nproc": args.nproc, "bf16": args.bf16,
+                "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
+                "global_batch_size": args.global_batch_size, "train_iters": args.train_iters,
+                "teacher_ranks": args.teacher_ranks, "random_weights": args.random_weights})
     return 0
 
 

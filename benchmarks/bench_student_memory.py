@@ -9,21 +9,9 @@ row of one TP size) and the time of a second step.
 
   python benchmarks/bench_student_memory.py [--seq-length 1024] [--model qwen2.5-coder-0.5b]
 
-Measured on 2 CPU cores (Qwen2.5-Coder-0.5B architecture, 1 x 1024 tokens, fp32; 11 min):
-
-  configuration                  TP  step peak over start (MiB)  step (s)
-  baseline                        1                       6,043     61.10
-  selective recompute             1                       5,190     56.31
-  full recompute (uniform, 1)     1                       3,731     61.29
-  TP2                             2                       3,475     26.13
-  TP2 + sequence parallel         2                       3,868     26.23
-  TP2 + SP + full recompute       2                       1,900     28.27
-
-Full recomputation keeps one layer input per layer: -2.3 GiB at TP1, -1.9 GiB at TP2 + SP.
-Sequence parallelism shrinks only the [s, b, h] tensors between the TP regions (about 14 MiB per
-layer here), which the torch-native attention's fp32 [heads, s, s] scores dwarf; on the CPU the
-resident peak also carries allocator caching and the gathers' buffers, so SP shows no saving at
-this size (+0.4 GiB). Step times are single-run wall times on a shared 2-core machine.
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +19,8 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+
+from results import write_rows
 
 CONFIGS = {
     "baseline": (1, {}),
@@ -114,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|")
     for name, tp, out in rows:
         print(f"| {name} | {tp} | {out['peak_mib']:,.0f} | {out['step_s']:.2f} |")
+    write_rows("bench_student_memory", [
+        {"configuration": name, "tp": tp, "peak_mib": out["peak_mib"], "step_s": out["step_s"]}
+        for name, tp, out in rows], params={"model": args.model, "seq_length": args.seq_length})
     return 0
 
 

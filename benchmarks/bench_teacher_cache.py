@@ -11,33 +11,9 @@
   python benchmarks/bench_teacher_cache.py [--seq-length 256] [--samples 8] [--random-weights]
       [--skip-steps]
 
-Measured on 2 CPU cores (2026-11-25; student sequence 256, 8 samples per compact form, 2 for
-full and gold (30,000 common columns + 8,192 uncommon); step runs: 1 rank with 2 threads, global
-batch 2 x 128 tokens, chunk top-64 + tail, random weights; mean of steps 2..6):
-
-  form                          raw B/token  disk B/token  write MB/s  read MB/s
-  chunk_topk-64                         522           309          89        549
-  chunk_topk-256                      2,064         1,162         504      1,217
-  chunk_topk-256 read as top-8        2,064             -           -        978  (*)
-  topk-256                            1,036           621         367        989
-  gold                              153,369        90,894         167      1,021
-  full                              610,122       356,138         239        413
-
-(*) 2026-11-27, ``--threads 1`` (the study held both cores; its plain top-256 read: 1,211 MB/s;
-commit 388a092, whose narrowing summed the dropped mass in fp64; a rerun after f3b5f33's fp32
-sum read 1,098 MB/s): a run at top-8 reading a top-256 cache narrows the rows as it reads them
-(checked against top-8 payloads of the same logits); two torch threads on busy cores made the
-same step about 25x slower (42 MB/s).
-
-  run                          s/step  tokens/s  teacher s
-  online teacher (fills)         5.65        46       3.04
-  reading the cache              2.91        90       0.00
-
-Disk holds ~60% of the raw payload (zstd packs the zero-filled chunk slots): chunk top-64 takes
-309 B per student token, so 1M student tokens of payloads fit in 310 MB. Reading them back costs
-milliseconds per step (write and read: hundreds of MB/s, rows checked); a run that reads the
-cache instead of running the 0.5B teacher takes 1.9x less time per step here, and the saving
-grows with the teacher.
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from results import write_rows
 
 VT = 151_936
 
@@ -195,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:<28} {raw:>12,.0f} " + " ".join(
                 "-".rjust(width) if math.isnan(v) else f"{v:>{width},.0f}"
                 for v, width in ((disk, 13), (w, 11), (r, 10))))
+        params = {"seq_length": args.seq_length, "samples": args.samples,
+                  "threads": args.threads, "vt": VT}
+        nan = math.isnan
+        write_rows("bench_teacher_cache", [
+            {"form": name, "raw_bytes_per_token": raw,
+             "disk_bytes_per_token": None if nan(disk) else disk,
+             "write_mb_s": None if nan(w) else w, "read_mb_s": None if nan(r) else r}
+            for name, raw, disk, w, r in files], table="files", params=params)
         if not args.skip_steps:
             steps = measure_steps(args, work)
             print(f"\nsteps (demo pair, 1 CPU rank, global batch 2 x 128, chunk top-64; mean of "
@@ -202,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'run':<26} {'s/step':>7} {'tokens/s':>9} {'teacher s':>10}")
             for name, wall, tok_s, teacher in steps:
                 print(f"{name:<26} {wall:>7.2f} {tok_s:>9.0f} {teacher:>10.2f}")
+            write_rows("bench_teacher_cache", [
+                {"run": name, "s_per_step": wall, "tokens_per_s": tok_s, "teacher_s": teacher}
+                for name, wall, tok_s, teacher in steps], table="steps",
+                params={**params, "train_iters": args.train_iters,
+                        "random_weights": args.random_weights})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

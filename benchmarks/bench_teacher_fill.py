@@ -12,30 +12,9 @@ sample, none is dropped).
   python benchmarks/bench_teacher_fill.py [--seq-length 255] [--samples 256]
       [--micro-batch-sizes 1 2 4 8] [--multiple 1]
 
-Measured 2026-11-27 (--seq-length 255, 256 samples, multiple 1; student fill 99.8-100% in every
-row; ``fill full width`` is what every step paid before a forward ran only what it needs):
-
-  corpus              student  teacher   teacher len   mbs  fill full width  fill now
-  enwiki_train.jsonl  smollm2  qwen2             266     1            93.3%    100.0%
-                                                         2                      98.9%
-                                                         4                      97.8%
-                                                         8                      96.7%
-  enwiki_train.jsonl  smollm2  gemma3            259     1            95.0%    100.0%
-                                                         4                      98.1%
-                                                         8                      97.3%
-  shakespeare.jsonl   mistral  smollm2           252     1            94.4%    100.0%
-                                                         4                      97.9%
-                                                         8                      97.2%
-  enwiki_val.jsonl    llama3   qwen2             339     1            78.2%    100.0%
-                                                         4                      97.3%
-                                                         8                      94.8%
-  stdlib              smollm2  qwen2             254     1            89.9%    100.0%
-                                                         2                      97.3%
-                                                         4                      95.2%
-                                                         8                      93.4%
-
-At the study's fixed --teacher-seq-length 320 (1.25 x 256) on the stdlib, a full-width forward
-filled 62-79% (its logs' teacher_fill); now a sample a micro-batch fills 100%.
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +23,8 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+
+from results import write_rows
 
 PAIRS = [("enwiki_train.jsonl", "smollm2", "qwen2"), ("enwiki_train.jsonl", "smollm2", "gemma3"),
          ("shakespeare.jsonl", "mistral", "smollm2"), ("enwiki_val.jsonl", "llama3", "qwen2"),
@@ -126,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"{100 * r['fill_now']:>9.1f}%", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    write_rows("bench_teacher_fill", rows,
+               params={"seq_length": args.seq_length, "samples": args.samples,
+                       "multiple": args.multiple, "quantile": args.quantile})
 
 
 if __name__ == "__main__":

@@ -20,41 +20,9 @@ ranks' threads outnumber them. ``benchmarks/device/checks.sh bench_teachers`` ru
 lent machine's 16 CPU cores with ``--random-weights`` (the published architectures, random
 weights: the model files do not travel there), where the ideal is the slowest side.
 
-Each row is the mean of steps 2..N (the first is warm-up). Models, checkpoints and projections
-are fetched / converted / built once and cached (``megatron_xdistill.demo.assets.cache_dir``).
-Measured on 2 CPU cores (fp32, student DP 2, qwen TP 2, gemma DP 2; global batch 4 x 128 student
-tokens; s per step, steps 2..4; 2026-11-26, commit a55a03e):
-
-  | teachers     | teacher (each)                | route | student (loss) | optimizer | wall  | / sum | / max |
-  | qwen         |  7.77                         | 0.02  | 6.11 (0.13)    | 0.92      | 14.90 | 1.00  | 1.00  |
-  | gemma        |  5.67                         | 0.59  | 5.53 (0.21)    | 0.81      | 12.84 | 1.00  | 1.00  |
-  | qwen + gemma | 12.86 (qwen 7.24, gemma 5.62) | 0.51  | 5.91 (0.32)    | 1.17      | 20.46 | 0.96  | 1.65  |
-
-Colocated, the second teacher costs its own forward and nothing more (0.96 x the sum of the two
-alone); the student's loss grows by the second teacher's KD term (0.13 -> 0.32 s).
-
-Both placements on the same 2 cores, one rank a side (``--random-weights --placement both
---nproc 1 --teacher-ranks 1 --threads-per-rank 1 --train-iters 6``: the student on one rank,
-colocated teachers on it, disaggregated each teacher on a rank of its own; 1 thread a rank;
-global batch 2 x 128; steps 2..6; 2026-11-28, the code of f0be70b):
-
-  | teachers     | placement     | teacher (each)           | student (loss) | opt  | wall  | / serial | ideal | wall / ideal |
-  | qwen         | colocated     | 3.60                     | 3.15 (0.06)    | 0.47 |  7.22 |   1.00   |  7.22 |     1.00     |
-  | gemma        | colocated     | 3.20                     | 3.20 (0.05)    | 0.50 |  6.90 |   1.00   |  6.90 |     1.00     |
-  | qwen + gemma | colocated     | 6.72 (3.53, 3.19)        | 3.31 (0.12)    | 0.37 | 10.40 |   0.99   | 10.48 |     0.99     |
-  | qwen         | disaggregated | 3.96                     | 3.52 (0.07)    | 0.50 |  4.03 |   0.51   |  3.62 |     1.11     |
-  | gemma        | disaggregated | 3.52                     | 3.53 (0.07)    | 0.44 |  3.97 |   0.53   |  3.70 |     1.07     |
-  | qwen + gemma | disaggregated | 6.55 (5.86, 4.89)        | 4.55 (0.17)    | 0.42 |  5.04 |   0.40   |  5.24 |     0.96     |
-
-(A first run the same way: walls 7.12, 6.47, 10.13, 3.84, 3.68, 5.20.) Colocated, two teachers
-cost the sum of their forwards (wall 0.99 of the serial phases). Disaggregated, one teacher
-overlaps the student's step (wall 0.51 of the serial phases, 1.07-1.11 of the slowest side:
-each side runs slower beside the other, e.g. qwen's forward 3.96 s against 3.60 s alone, as the
-two processes share the caches and memory). Two teachers take 0.48
-of the colocated step (10.40 -> 5.04 s, 0.40 of the serial phases): three busy processes on two
-cores, each teacher's forward slows to 5-6 s when they share a core, and the step reaches the
-cores' limit (all work / 2 cores = 5.24 s, wall 0.96 of it). With a core per rank the ideal is
-the slowest side, max(teachers, student) = 3.7 s (what ``checks.sh bench_teachers`` measures).
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +32,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from results import write_rows
 
 PHASES = ("teacher", "route", "student", "loss", "optimizer")
 TEACHERS = {  # name: (model, its layout on the --nproc ranks)
@@ -186,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(table(rows, args))
+    cores = len(os.sched_getaffinity(0))
+    write_rows("bench_teachers", [
+        {"teachers": " + ".join(names), "placement": placement, **m} for names, placement, m
+        in rows], params={"nproc": args.nproc, "teacher_ranks": args.teacher_ranks,
+                          "threads_per_rank": args.threads_per_rank, "cores": cores,
+                          "seq_length": args.seq_length, "train_iters": args.train_iters,
+                          "random_weights": args.random_weights})
     return 0
 
 

@@ -18,49 +18,9 @@ demo's 64); chunks ~0.7 per token. Synchronous time per step is the slower rank'
 
   python benchmarks/bench_transport.py [--device cpu|cuda] [--tokens 2048] [--samples 2]
 
-Measured on 2 CPU cores (1 thread per rank, 2 x 1,024 tokens, V_t = 151,936, 5 steps):
-
-  colocated        B/token   MB/step  transport      ms/step   GB/s  copy GB/s  % of copy
-  full             424,949     870.3  shared memory    67.82  12.83      11.29       114%
-  full             424,949     870.3  gloo            735.39   1.18      11.64        10%
-  topk-256             720       1.5  shared memory     0.73   2.03      32.31         6%
-  topk-256             720       1.5  gloo              1.32   1.12      30.73         4%
-  chunk_topk-256     1,438       2.9  shared memory     0.89   3.32      33.41        10%
-  chunk_topk-256     1,438       2.9  gloo              2.67   1.10      34.62         3%
-  chunk_topk-64        364       0.7  shared memory     0.62   1.20      29.66         4%
-  chunk_topk-64        364       0.7  gloo              0.99   0.75      27.55         3%
-
-  disaggregated     R  transport      ms/step  delivered GB/s
-  full              1  shared memory    81.17           10.72
-  full              1  gloo            345.99            2.52
-  full              2  shared memory   113.07           15.39
-  full              2  gloo            565.79            3.08
-  chunk_topk-64     1  shared memory     0.99            0.75
-  chunk_topk-64     1  gloo              0.90            0.83
-  chunk_topk-64     2  shared memory     2.07            0.72
-  chunk_topk-64     2  gloo              1.25            1.19
-
-Compact payloads cost 300-1,200x fewer bytes than full logits; below a few MB a step is bound by
-the per-step signals (~1 ms, against training steps of seconds), not by bandwidth. Full payloads
-stream 4.3x (R = 1) to 5.0x (R = 2) faster through shared-memory slots than through gloo.
-Measured on one H100 (``--device cuda``: 4 x 4,096 tokens, both ranks on the GPU, 2026-11-25;
-"copy GB/s" counts the bytes once, so 1,333 GB/s is ~2.7 TB/s of read + write traffic):
-
-  colocated        B/token   MB/step  transport      ms/step    GB/s  copy GB/s  % of copy
-  full             425,394   6,969.7  CUDA IPC          6.99  996.85   1,332.92        75%
-  topk-256             720      11.8  CUDA IPC          0.73   16.11     473.74         3%
-  chunk_topk-256     1,439      23.6  CUDA IPC          0.69   34.08     699.53         5%
-  chunk_topk-64        364       6.0  CUDA IPC          2.09    2.86     334.81         1%
-
-  disaggregated     R  transport      ms/step  delivered GB/s
-  full              1  CUDA IPC         12.50          557.43
-  full              2  CUDA IPC         16.58          840.50
-  chunk_topk-64     1  CUDA IPC          4.74            1.26
-  chunk_topk-64     2  CUDA IPC          4.63            2.57
-
-Full-vocabulary payloads move through CUDA IPC at 75% of a same-GPU copy; compact ones are
-1,200x smaller and cost a few ms per step of signalling (gloo), far below a training step.
-NCCL rows need two GPUs (one rank per GPU).
+Prints a table and keeps its rows as a result file under ``benchmarks/results/``
+(``benchmarks/results.py``); the docs' tables are generated from those files
+(``tools/docs_tables.py``).
 """
 
 from __future__ import annotations
@@ -70,6 +30,7 @@ import statistics
 import time
 
 import torch
+from results import write_rows
 
 FORMS = (("full", None), ("topk", 256), ("chunk_topk", 256), ("chunk_topk", 64))
 
@@ -226,6 +187,9 @@ def main(argv: list[str] | None = None) -> None:
     print("colocated (synchronous exchange, 1 sender -> 1 receiver):")
     print(f"{'payload':<18} {'B/token':>10} {'MB/step':>9} {'transport':<14} {'ms/step':>9} "
           f"{'GB/s':>7} {'copy GB/s':>9} {'% of copy':>9}")
+    params = {"device": args.device, "tokens": tokens, "samples": samples, "vt": args.vt,
+              "chunks_per_sample": chunks, "steps": args.steps}
+    colocated, streamed = [], []
     with RankPool(2) as pool:
         for form, k in FORMS:
             spec = _spec(form, k, chunks, args.vt)
@@ -240,6 +204,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{label:<18} {spec.bytes_per_token(per_sample):>10,.0f} "
                       f"{nbytes / 1e6:>9.1f} {names[kind]:<14} {1e3 * step_s:>9.2f} "
                       f"{gbs:>7.2f} {copy_gbs:>9.2f} {100 * gbs / copy_gbs:>8.0f}%", flush=True)
+                colocated.append({"payload": label,
+                                  "bytes_per_token": spec.bytes_per_token(per_sample),
+                                  "mb_per_step": nbytes / 1e6, "transport": names[kind],
+                                  "ms_per_step": 1e3 * step_s, "gb_s": gbs,
+                                  "copy_gb_s": copy_gbs})
+    write_rows("bench_transport", colocated, table="colocated", params=params)
 
     print("disaggregated (streamed, 1 teacher rank -> R student ranks reading every sample, "
           "as student TP = R):")
@@ -258,6 +228,10 @@ def main(argv: list[str] | None = None) -> None:
                     delivered = samples * spec.nbytes * receivers / step_s / 1e9
                     print(f"{label:<18} {receivers:>2} {names[kind]:<14} {1e3 * step_s:>9.2f} "
                           f"{delivered:>15.2f}", flush=True)
+                    streamed.append({"payload": label, "receivers": receivers,
+                                     "transport": names[kind], "ms_per_step": 1e3 * step_s,
+                                     "delivered_gb_s": delivered})
+    write_rows("bench_transport", streamed, table="disaggregated", params=params)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from run import _digest, machine, say  # noqa: E402
 from study_report import write_report  # noqa: E402
 from study_setup import setup  # noqa: E402
 
+from megatron_xdistill.demo import provenance  # noqa: E402
 from megatron_xdistill.demo.workflow import (  # noqa: E402
     ModelPair,
     build_projection,
@@ -385,6 +386,7 @@ def run_study(cfg) -> dict:
                 continue
             run_dir = train_run(cfg, work, pair, data, variant, seed)
             results["runs"][key] = {"variant": variant, "seed": seed, "settings": settings,
+                                    **provenance.record(),  # the commit and command of this run
                                     "metrics": read_metrics(run_dir / "metrics.jsonl")}
             tracker = run_dir / "ckpt" / "latest_checkpointed_iteration.txt"
             for name in heldouts:

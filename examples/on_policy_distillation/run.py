@@ -25,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_xdistill.demo import provenance  # noqa: E402
 from megatron_xdistill.demo.workflow import (  # noqa: E402
     cpu_env,
     prepare_models,
@@ -131,12 +132,26 @@ def report(cfg, scores: dict, runs: dict, out: Path) -> Path:
     lines += _trajectory(cfg, runs)
     out.mkdir(parents=True, exist_ok=True)
     results = {"scores": {k: {key: v[key] for key in ("prompts", "mean_reward")}
-                          for k, v in scores.items()}, "config": _plain(cfg)}
+                          for k, v in scores.items()}, "config": _plain(cfg),
+               "provenance": provenance.record(), "curves": curves(runs)}
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     path = out / "REPORT.md"
     path.write_text("\n".join(lines) + "\n")
     say(f"wrote {path}")
     return path
+
+
+#: The per-step metrics each variant's curve keeps (those a step logged).
+CURVE_KEYS = ("iteration", "kd", "ce", "on_policy", "reward", "finished_fraction",
+              "response_tokens", "lr", "grad_norm", "elapsed_ms_per_iteration", "time_generate")
+
+
+def curves(runs: dict) -> dict[str, list[dict]]:
+    """Each variant's training steps, one dict a step (:data:`CURVE_KEYS` it logged): the
+    on-policy reward, the share of responses that ended and the KD loss over training, kept
+    beside the scores so the report's trajectory can be redrawn from results.json."""
+    return {label: [{k: m[k] for k in CURVE_KEYS if k in m} for m in metrics if "kd" in m]
+            for label, metrics in runs.items()}
 
 
 def _trajectory(cfg, runs: dict, span: int = 10) -> list[str]:

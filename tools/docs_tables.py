@@ -1,0 +1,191 @@
+"""The docs' number tables, generated from kept result files.
+
+A table in a Markdown page sits between two marker comments; the opening one says, as JSON,
+where its numbers come from and which columns it shows:
+
+    <!-- results-table {"file": "benchmarks/results/bench_x/20261201T...json",
+         "columns": [["form", "form"], ["ops_per_block", "ops / block", ".1f"]],
+         "where": {"table": "..."}} -->
+    | form | ops / block |            <- generated: never edited by hand
+    ...
+    <!-- /results-table -->
+
+``file`` is a result file of ``benchmarks/results.py`` (its ``rows``), or one of the studies'
+results, read through ``"source"``: ``"study"`` (examples/cross_tokenizer_distillation's
+``results/*.json``: one row per distilled variant and held-out set against its CE-only
+baseline, through the study's own report code) or ``"onpolicy"``
+(examples/on_policy_distillation's ``results.json``: one row per scored model). ``where``
+keeps the rows whose fields equal the given values (a list: any of them, in that order);
+``columns`` are ``[field, header]`` or ``[field, header, format spec]``. Under each table a
+line names the file, the machine and the date.
+
+    python tools/docs_tables.py            # rewrite every page's tables from their files
+    python tools/docs_tables.py --check    # exit 1 naming each table that differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = ["README.md", "docs/*.md", "examples/*/REPORT.md"]
+MARKER = re.compile(r"(<!-- results-table (\{.*?\}) -->\n)(.*?)(<!-- /results-table -->)", re.S)
+
+
+def _study_report():
+    path = REPO / "examples" / "cross_tokenizer_distillation" / "study_report.py"
+    spec = importlib.util.spec_from_file_location("xdistill_study_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pm(values: list[float], sign: bool = False) -> str:
+    mean = statistics.fmean(values)
+    text = format(mean, "+.4f" if sign else ".4f")
+    return f"{text} +- {statistics.stdev(values):.4f}" if len(values) > 1 else text
+
+
+def study_rows(results: dict) -> list[dict[str, Any]]:
+    """Each distilled variant against its CE-only baseline on each held-out set, by the
+    study's own rule (``study_report.verdicts``: real beyond twice the larger seed spread),
+    with the per-seed share of the CE student's gap to the teacher that it closed."""
+    report = _study_report()
+    variants = results["config"]["variants"]
+    summary = report.summarize(results)
+    rows = []
+    for v in report.verdicts(results):
+        table = summary[v["heldout"]]["variants"]
+        kd, ce = table[v["variant"]], table[v["baseline"]]
+        seeds = sorted(set(kd) & set(ce))
+        teacher = summary[v["heldout"]]["teacher"]
+        closed = [100 * (ce[s] - kd[s]) / (ce[s] - teacher) for s in seeds]
+        lo, hi = round(min(closed)), round(max(closed))
+        gap = f"{lo}%" if lo == hi else (f"{lo}-{hi}%" if lo >= 0 else f"{lo}% to {hi}%")
+        rows.append({
+            "variant": v["variant"], "label": variants[v["variant"]]["label"],
+            "heldout": v["heldout"], "seeds": len(seeds),
+            "ce": _pm([ce[s] for s in seeds]), "distilled": _pm([kd[s] for s in seeds]),
+            "diff": _pm([kd[s] - ce[s] for s in seeds], sign=True),
+            "seeds_ahead": f"{v['seeds_better']}/{len(seeds)}",
+            "verdict": ("real" if v["real"] else "within the spread") if len(seeds) > 1
+            else "one seed",
+            "two_spread": None if math.isnan(v["spread"]) else 2 * v["spread"],
+            "paired_t": None if math.isnan(v["paired_t"]) else v["paired_t"],
+            "gap_closed": gap,
+            "diff_mean": v["diff"], "teacher": teacher})
+    return rows
+
+
+def onpolicy_rows(results: dict) -> list[dict[str, Any]]:
+    """One row per scored model: greedy pass rate on the held-out prompts."""
+    labels = {k: v["label"] for k, v in results["config"]["variants"].items()}
+    return [{"name": name, "label": labels.get(name, name), "prompts": s["prompts"],
+             "pass_rate": s["mean_reward"]} for name, s in results["scores"].items()]
+
+
+def _rows(spec: dict) -> tuple[list[dict], dict]:
+    record = json.loads((REPO / spec["file"]).read_text())
+    source = spec.get("source", "bench")
+    if source == "bench":
+        rows = record["rows"]
+    elif source == "study":
+        rows = study_rows(record)
+    elif source == "onpolicy":
+        rows = onpolicy_rows(record)
+    else:
+        raise ValueError(f"unknown source {source!r} (bench, study or onpolicy)")
+    for key, want in spec.get("where", {}).items():
+        if isinstance(want, list):
+            rows = [r for w in want for r in rows if r.get(key) == w]
+        else:
+            rows = [r for r in rows if r.get(key) == want]
+    if not rows:
+        raise ValueError(f"{spec['file']}: no rows match {spec.get('where')}")
+    return rows, record
+
+
+def _cell(value: Any, fmt: str | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if fmt and isinstance(value, int | float):
+        return format(value, fmt)
+    return str(value)
+
+
+def _source_line(spec: dict, record: dict, page: Path) -> str:
+    link = os.path.relpath(REPO / spec["file"], page.parent)
+    source = spec.get("source", "bench")
+    machine = record.get("machine", {})
+    if source == "bench":
+        where = ", ".join(machine.get("gpus") or []) or (
+            f"{machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs")
+        date = record.get("date", "?")[:10]
+    else:  # the studies keep their own machine record
+        where = (f"{machine.get('cpu_count', '?')} CPUs, torch {machine.get('torch', '?')}"
+                 if machine else "see the file")
+        date = machine.get("date") or record.get("provenance", {}).get("date", "?")
+    origin = " (imported)" if record.get("imported_from") else ""
+    return f"<sub>Source: [`{spec['file']}`]({link}){origin}; {where}; {date}.</sub>\n"
+
+
+def render(spec: dict, page: Path) -> str:
+    """The generated Markdown between a table's markers."""
+    rows, record = _rows(spec)
+    columns = [(c[0], c[1], c[2] if len(c) > 2 else None) for c in spec["columns"]]
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |",
+             "|" + "|".join("---" if f is None else "---:" for _, _, f in columns) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(k), f) for k, _, f in columns) + " |")
+    return "\n".join(lines) + "\n\n" + _source_line(spec, record, page)
+
+
+def pages() -> list[Path]:
+    return sorted({p for pattern in PAGES for p in REPO.glob(pattern)})
+
+
+def process(page: Path, write: bool) -> list[str]:
+    """Regenerate ``page``'s tables; the names of those that differed."""
+    text = page.read_text()
+    stale = []
+
+    def one(match: re.Match) -> str:
+        spec = json.loads(match.group(2))
+        body = render(spec, page)
+        if body != match.group(3):
+            stale.append(f"{page.relative_to(REPO)}: the table from {spec['file']}")
+        return match.group(1) + body + match.group(4)
+
+    new = MARKER.sub(one, text)
+    if write and new != text:
+        page.write_text(new)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a table differs from its file")
+    args = parser.parse_args(argv)
+    stale = [name for page in pages() for name in process(page, write=not args.check)]
+    for name in stale:
+        print(("differs from its file: " if args.check else "rewrote ") + name)
+    if args.check and stale:
+        print("run: python tools/docs_tables.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
