@@ -10,11 +10,16 @@ the page built, the data), ``xdistill-convert ... --dry-run``. A converted check
 a command would write is stood in for by its model description, so the next command finds it.
 Commands of launchers and tools whose runs take whole models (``xdistill-evaluate``,
 ``xdistill-ray``) are parsed with their own parsers; a fragment (``...``) must use known flags.
+Scripts of the repository (``python benchmarks/bench_loss.py ...``, ``python tools/...``,
+``python -m megatron_xdistill.demo ...``, ``bash benchmarks/device/checks.sh``) must exist, and
+every flag a command gives must be one the script's argparse defines (read from its source).
 YAML blocks whose first line names a file (``# run.yaml``) are written to that file.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
 import re
@@ -86,6 +91,13 @@ class Workspace:
 
         pq.write_table(pa.table({"text": texts}), root / "web.parquet")
 
+    @classmethod
+    def existing(cls, root: Path) -> Workspace:
+        """A workspace a page's commands already ran in (the README's, copied)."""
+        space = cls.__new__(cls)
+        space.root = root
+        return space
+
     def run(self, words: list[str], where: str) -> None:
         """One command as the page gives it (see the module docstring)."""
         if "..." in words:
@@ -110,6 +122,8 @@ class Workspace:
             return self._parse_only(program, words[1:], where)
         if any(" ".join(words).startswith(p) for p in NOT_RUN):
             return None
+        if program.startswith("python") or program == "bash":
+            return self._script(words, where)
         raise AssertionError(f"{where}: no way to check `{' '.join(words)}`: teach "
                              f"tests/test_readme_commands.py its program")
 
@@ -143,6 +157,25 @@ class Workspace:
         if "--" in argv:
             self._fragment(argv[argv.index("--") + 1:], where)
 
+    def _script(self, words: list[str], where: str) -> None:
+        """A script of the repository: it exists, and it defines every flag given."""
+        if words[1] == "-m":
+            spec = importlib.util.find_spec(words[2])
+            assert spec is not None and spec.origin, f"{where}: no module {words[2]}"
+            origin = Path(spec.origin)
+            sources = sorted(origin.parent.glob("*.py")) if origin.name == "__init__.py" \
+                else [origin]
+            flags = words[3:]
+        else:
+            script = REPO / words[1]
+            assert script.is_file(), f"{where}: {words[1]} is not a file of the repository"
+            sources, flags = [script], words[2:]
+        if words[0] == "bash":
+            return
+        known = {value for source in sources for value in _argparse_flags(source)}
+        unknown = [w for w in flags if w.startswith("--") and w.split("=")[0] not in known]
+        assert not unknown, f"{where}: {' '.join(words[:3])} defines no {unknown}"
+
     def _fragment(self, words: list[str], where: str) -> None:
         from megatron_xdistill.training.arguments import build_parser
 
@@ -152,18 +185,52 @@ class Workspace:
         assert not unknown, f"{where}: unknown flags {unknown}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
-def test_every_documented_command_runs_as_written(page, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    space = Workspace(tmp_path)
+def _argparse_flags(source: Path) -> set[str]:
+    """The option strings a script's ``add_argument`` calls define."""
+    tree = ast.parse(source.read_text())
+    return {arg.value for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant)
+            and isinstance(arg.value, str) and arg.value.startswith("-")}
+
+
+def run_page(page: Path, root: Path) -> int:
+    """Every command of ``page`` in order, in the workspace ``root`` (the current folder);
+    the number of commands run."""
+    space = Workspace.existing(root) if (root / "code.jsonl").exists() else Workspace(root)
     ran = 0
     for number, (language, text) in enumerate(fenced_blocks(page), 1):
         where = f"{page.name}, code block {number}"
         first = text.splitlines()[0] if text.strip() else ""
         if language == "yaml" and re.match(r"#\s*[\w.-]+\.ya?ml\s*$", first):
-            (tmp_path / first.lstrip("# ").strip()).write_text(text)
+            (root / first.lstrip("# ").strip()).write_text(text)
         elif language in ("bash", "sh", "shell"):
             for words in shell_commands(text):
                 space.run(words, where)
                 ran += 1
-    assert ran or page.name != "README.md"
+    return ran
+
+
+@pytest.fixture(scope="module")
+def after_readme(tmp_path_factory):
+    """The README's run done (its checkpoints' descriptions, the projection): the docs pages
+    continue from it, as a reader who followed the README does."""
+    root = tmp_path_factory.mktemp("readme")
+    here = os.getcwd()
+    os.chdir(root)
+    try:
+        ran = run_page(REPO / "README.md", root)
+    finally:
+        os.chdir(here)
+    return root, ran
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_documented_command_runs_as_written(page, after_readme, tmp_path, monkeypatch):
+    root, readme_ran = after_readme
+    if page.name == "README.md" and page.parent == REPO:
+        assert readme_ran, "README.md shows no command"
+        return
+    shutil.copytree(root, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    run_page(page, tmp_path)

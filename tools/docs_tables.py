@@ -55,6 +55,11 @@ def _pm(values: list[float], sign: bool = False) -> str:
     return f"{text} +- {statistics.stdev(values):.4f}" if len(values) > 1 else text
 
 
+#: the studies' held-out sets as the docs name them
+HELDOUT = {"fresh_code": "code written in 2026", "stdlib": "stdlib modules not trained on",
+           "enwiki": "Wikipedia", "shakespeare": "Shakespeare works"}
+
+
 def study_rows(results: dict) -> list[dict[str, Any]]:
     """Each distilled variant against its CE-only baseline on each held-out set, by the
     study's own rule (``study_report.verdicts``: real beyond twice the larger seed spread),
@@ -73,7 +78,8 @@ def study_rows(results: dict) -> list[dict[str, Any]]:
         gap = f"{lo}%" if lo == hi else (f"{lo}-{hi}%" if lo >= 0 else f"{lo}% to {hi}%")
         rows.append({
             "variant": v["variant"], "label": variants[v["variant"]]["label"],
-            "heldout": v["heldout"], "seeds": len(seeds),
+            "heldout": v["heldout"], "heldout_label": HELDOUT.get(v["heldout"], v["heldout"]),
+            "seeds": len(seeds),
             "ce": _pm([ce[s] for s in seeds]), "distilled": _pm([kd[s] for s in seeds]),
             "diff": _pm([kd[s] - ce[s] for s in seeds], sign=True),
             "seeds_ahead": f"{v['seeds_better']}/{len(seeds)}",
@@ -164,7 +170,8 @@ def process(page: Path, write: bool) -> list[str]:
         spec = json.loads(match.group(2))
         body = render(spec, page)
         if body != match.group(3):
-            stale.append(f"{page.relative_to(REPO)}: the table from {spec['file']}")
+            name = page.relative_to(REPO) if page.is_relative_to(REPO) else page
+            stale.append(f"{name}: the table from {spec['file']}")
         return match.group(1) + body + match.group(4)
 
     new = MARKER.sub(one, text)

@@ -349,6 +349,8 @@ def run_study(cfg) -> dict:
     for earlier in (published_results(cfg), work / "results.json"):
         if earlier.is_file():
             old = json.loads(earlier.read_text())
+            if "provenance" in old:  # how the runs kept before this invocation were made
+                results["provenance"] = old["provenance"]
             results["runs"].update(old.get("runs", {}))
             results["evals"].update(old.get("evals", {}))
     evals = results["evals"]

@@ -1,0 +1,74 @@
+"""The docs' number tables are what their result files give (tools/docs_tables.py), and a
+benchmark's rows are kept with the machine, commit and command that made them
+(benchmarks/results.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+import results  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("docs_tables", REPO / "tools" / "docs_tables.py")
+docs_tables = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(docs_tables)
+
+
+def test_every_docs_table_matches_its_result_file():
+    stale = [name for page in docs_tables.pages()
+             for name in docs_tables.process(page, write=False)]
+    assert not stale, f"regenerate with python tools/docs_tables.py: {stale}"
+
+
+def test_every_table_marker_names_a_kept_file():
+    for page in docs_tables.pages():
+        for match in docs_tables.MARKER.finditer(page.read_text()):
+            spec = json.loads(match.group(2))
+            assert (REPO / spec["file"]).is_file(), f"{page.name}: {spec['file']} missing"
+
+
+def test_a_result_file_keeps_provenance_and_its_table_follows_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDISTILL_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.delenv("XDISTILL_NO_RESULTS", raising=False)
+    rows = [{"form": "chunk_topk", "ms": 12.345}, {"form": "gold", "ms": 100.0}]
+    path = results.write_rows("bench_demo", rows, params={"tokens": 16},
+                              argv=[str(REPO / "benchmarks" / "bench_demo.py"), "--tokens", "16"])
+    record = json.loads(path.read_text())
+    assert record["rows"] == rows and record["params"] == {"tokens": 16}
+    assert record["command"] == "python benchmarks/bench_demo.py --tokens 16"
+    head = results.commit()
+    assert record["commit"] == head and len(head.removesuffix("+dirty")) == 40
+    assert record["machine"]["cpu_count"] and "gpus" in record["machine"]
+
+    spec = {"file": str(path), "where": {"form": ["gold", "chunk_topk"]},
+            "columns": [["form", "form"], ["ms", "ms", ".1f"]]}
+    page = tmp_path / "page.md"
+    marker = f"<!-- results-table {json.dumps(spec)} -->\n"
+    page.write_text(f"text\n{marker}old\n<!-- /results-table -->\nmore\n")
+    assert docs_tables.process(page, write=False)  # stale: differs from the file
+    assert docs_tables.process(page, write=True)
+    body = page.read_text()
+    assert "| gold | 100.0 |\n| chunk_topk | 12.3 |" in body  # where's order, the format
+    assert docs_tables.process(page, write=False) == []
+    page.write_text(body.replace("100.0", "99.0"))  # a number pasted by hand
+    assert docs_tables.process(page, write=False)
+
+
+def test_study_rows_follow_the_study_report():
+    real = json.loads((REPO / "examples/cross_tokenizer_distillation/results/real.json")
+                      .read_text())
+    rows = {(r["variant"], r["heldout"]): r for r in docs_tables.study_rows(real)}
+    evals = real["evals"]
+    seeds = (1, 2, 3)
+    kd = [evals[f"pkl_first_ep3-s{s}/fresh_code"]["bits_per_byte"] for s in seeds]
+    ce = [evals[f"ce_ep3-s{s}/fresh_code"]["bits_per_byte"] for s in seeds]
+    teacher = evals["teacher/fresh_code"]["bits_per_byte"]
+    row = rows["pkl_first_ep3", "fresh_code"]
+    mean = sum(k - c for k, c in zip(kd, ce)) / 3
+    assert row["diff"].startswith(f"{mean:+.4f}") and row["seeds_ahead"] == "3/3"
+    closed = [100 * (c - k) / (c - teacher) for k, c in zip(kd, ce)]
+    assert row["gap_closed"] == f"{round(min(closed))}-{round(max(closed))}%"
