@@ -43,7 +43,7 @@ def teacher_sets(gpus: int, placement: str):
                                     TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=eighth)))]
 
 
-def run(gpus: int) -> list[dict]:
+def run(gpus: int, light: bool = False) -> list[dict]:
     from megatron_xdistill.transport.simulate import Scenario, simulate
 
     rows = []
@@ -59,7 +59,8 @@ def run(gpus: int) -> list[dict]:
                                  "placement": placement, "skipped": str(exc)})
                     continue
                 start = time.perf_counter()
-                for report in simulate(scenario, forms=FORMS):
+                ranks = [0] if light else None
+                for report in simulate(scenario, forms=FORMS, ranks=ranks, memory=not light):
                     rows.append({"gpus": gpus, "student": student, "teachers": name,
                                  "placement": placement, **report})
                 print(f"{gpus:>6} {student:<13} {name:<19} {placement:<13} "
@@ -95,6 +96,9 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, nargs="*", default=list(SIZES))
+    parser.add_argument("--light", action="store_true",
+                        help="construct rank 0 only, without the heap trace (large worlds on a "
+                        "busy machine)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale"))
     args = parser.parse_args()
     from megatron_xdistill.mcore import compat
@@ -108,7 +112,7 @@ def main() -> None:
             "command": "python benchmarks/bench_scale.py " + " ".join(sys.argv[1:])}
     rows = []
     for gpus in args.gpus:
-        found = run(gpus)
+        found = run(gpus, args.light)
         rows += found
         (out / f"scale_{gpus}.json").write_text(json.dumps({**meta, "rows": found}, indent=1))
     print(table(rows))

@@ -256,17 +256,19 @@ def compute_seconds(scenario: Scenario, costs: CostModel) -> dict[str, float]:
 
 
 def simulate(scenario: Scenario, costs: CostModel | None = None,
-             ranks: list[int] | None = None, forms: tuple[str, ...] | None = None) -> list[dict]:
+             ranks: list[int] | None = None, forms: tuple[str, ...] | None = None,
+             memory: bool = True) -> list[dict]:
     """Reports of one step of ``scenario`` (JSON-ready), one per payload form (default: the
     scenario's): construction on the given ranks (default: rank 0 and the first teacher's first
-    sender; the form only sizes buffers, so it is built once), traffic, compute, verdicts."""
+    sender; the form only sizes buffers, so it is built once), traffic, compute, verdicts.
+    ``memory``: also trace the Python heap of a construction (one more run)."""
     costs = costs or CostModel()
     placement = scenario.placement_of()
     student, teachers = scenario.layouts()
     sender = layout_rank(teachers[0], placement.teacher_offset_of(0), 0, 0, 0, teachers[0].pp - 1)
     ranks = ranks or sorted({0, sender})
     constructions = [construct(scenario, r) for r in ranks]
-    peak = construct(scenario, ranks[0], memory=True).peak_bytes
+    peak = construct(scenario, ranks[0], memory=True).peak_bytes if memory else None
     per_rank = []
     for c in constructions:
         modelled = costs.construction(c.record, scenario.gpus)
@@ -280,7 +282,7 @@ def simulate(scenario: Scenario, costs: CostModel | None = None,
 
 
 def _step_report(scenario: Scenario, costs: CostModel, plans: list[list[Route]],
-                 per_rank: list[dict], construction_s: float, peak: int) -> dict:
+                 per_rank: list[dict], construction_s: float, peak: int | None) -> dict:
     placement = scenario.placement_of()
     student, teachers = scenario.layouts()
     traffic = step_traffic(scenario, plans)
