@@ -60,7 +60,7 @@ from megatron_xdistill.transport.routed import (
     RoutedStream,
     RoutedTransport,
     check_one_rank_per_gpu,
-    gpu_of_ranks,
+    rank_places,
 )
 from megatron_xdistill.transport.routing import routing_plan
 
@@ -180,9 +180,11 @@ class Distiller:
         # evaluation), one per teacher. None: the whole world.
         student_world = None
         teacher_worlds = [None] * len(views)
+        # Every rank's node and GPU, gathered once for the checks and every lane's transport.
+        self.places = rank_places(self.device)
         if placement.disaggregated:
             if self.device.type == "cuda":  # the world's group is NCCL: one rank per GPU
-                check_one_rank_per_gpu(range(world), gpu_of_ranks(self.device))
+                check_one_rank_per_gpu(range(world), self.places[1])
             student_world = dist.new_group(placement.student_global_ranks())
             teacher_worlds = [dist.new_group(placement.teacher_global_ranks_of(k))
                               for k in range(len(views))]
@@ -248,12 +250,14 @@ class Distiller:
             for lane in self.lanes:  # collective over the world, in lane order
                 lane.transport = RoutedStream(lane.routes, numel=lane.kd.payload_numel,
                                               timeout_s=timeout_s, device=self.device,
-                                              watch=self.watch)
+                                              watch=self.watch, nodes=self.places[0],
+                                              gpus=self.places[1])
         elif not (self.ce_only or teacher_only):  # nothing to route
             for lane in self.lanes:
                 if not lane.reads_cache:
                     lane.transport = RoutedTransport(lane.routes, numel=lane.kd.payload_numel,
-                                                     device=self.device)
+                                                     device=self.device, nodes=self.places[0],
+                                                     gpus=self.places[1])
         for lane in self.lanes:
             if lane.transport is not None:
                 which = f" {lane.name!r}" if len(self.lanes) > 1 else ""

@@ -22,10 +22,11 @@ class P2PTransport:
 
     def __init__(self, routes: Sequence[Route], group: dist.ProcessGroup | None = None,
                  device: torch.device | str = "cpu") -> None:
-        self.routes = list(routes)
+        self.rank = dist.get_rank()
+        # Only this rank's routes: a step's work grows with them, not with the plan.
+        self.routes = [r for r in routes if self.rank in (r.src, r.dst)]
         self.group = group
         self.device = torch.device(device)
-        self.rank = dist.get_rank()
         self.bytes_sent = 0
         self.seconds = 0.0
 

@@ -30,11 +30,14 @@ from megatron_xdistill.transport.slots import SlotMemory, SlotTransport
 from megatron_xdistill.transport.stream import P2PStream
 
 
+def _node_index() -> int:
+    return int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
+
+
 def node_of_ranks(group: dist.ProcessGroup | None = None) -> list[int]:
     """Node index of every rank (torchrun's ``GROUP_RANK``; 0 without torchrun). Collective."""
-    node = int(os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")))
     nodes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(nodes, node, group=group)
+    dist.all_gather_object(nodes, _node_index(), group=group)
     return [int(n) for n in nodes]
 
 
@@ -50,6 +53,15 @@ def gpu_of_ranks(device: torch.device | str, group: dist.ProcessGroup | None = N
     ids: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(ids, _gpu_id(torch.device(device)), group=group)
     return ids
+
+
+def rank_places(device: torch.device | str) -> tuple[list[int], list[str | None]]:
+    """Node index (``GROUP_RANK``) and GPU id (host and UUID, None on CPU) of every rank, in one
+    all-gather over the default group (collective). A run gathers them once and hands them to
+    every transport it builds (``nodes=``, ``gpus=``)."""
+    places: list = [None] * dist.get_world_size()
+    dist.all_gather_object(places, (_node_index(), _gpu_id(torch.device(device))))
+    return [int(n) for n, _ in places], [g for _, g in places]
 
 
 def check_one_rank_per_gpu(ranks: Sequence[int], gpus: Sequence[str | None]) -> None:
@@ -85,40 +97,56 @@ def slot_memory(device: torch.device) -> SlotMemory:
 
 class _Split:
     """The routes of a plan by locality, the node groups and the cross-node group (collective:
-    every rank of the world builds it, in the same order)."""
+    every rank of the world builds it, in the same order).
+
+    One rank's work is one pass over the ranks and one over the routes: every node's members and
+    same-node routes are grouped in that pass, and each node's group is entered with that node's
+    members only (torch's ``new_group`` costs a rank outside the group O(len(ranks)) bookkeeping
+    and no store operation, unless ``TORCH_DIST_INIT_BARRIER=1``). ``nodes`` and ``gpus`` (one
+    entry per rank) come from one all-gather over the default group when not given.
+    ``backend``: the cross-node group's (default NCCL on a GPU device, else gloo)."""
 
     def __init__(self, routes: Sequence[Route], nodes: Sequence[int] | None,
                  use_shared_memory: bool, device: torch.device,
-                 group_timeout: datetime.timedelta | None = None) -> None:
+                 group_timeout: datetime.timedelta | None = None,
+                 gpus: Sequence[str | None] | None = None, backend: str | None = None) -> None:
         rank = dist.get_rank()
         self.device = device
-        gpu = device.type == "cuda"
-        self.p2p_backend = "nccl" if gpu else "gloo"
-        control = dist.new_group(backend="gloo") if gpu else None  # host-side signals
-        self.nodes = list(nodes) if nodes is not None else node_of_ranks(control)
-        same_node = [r for r in routes if r.src != r.dst
-                     and self.nodes[r.src] == self.nodes[r.dst]] if use_shared_memory else []
-        shm_set = set(same_node)
-        self.local = [r for r in routes if r.src == r.dst]
-        self.same_node = same_node
-        self.remote = [r for r in routes if r.src != r.dst and r not in shm_set]
+        self.p2p_backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+        nccl = self.p2p_backend == "nccl"
+        if nodes is None or (nccl and gpus is None):
+            found_nodes, found_gpus = rank_places(device)
+            nodes = found_nodes if nodes is None else nodes
+            gpus = found_gpus if gpus is None else gpus
+        self.nodes = list(nodes)
+        self.local: list[Route] = []
+        self.same_node: list[Route] = []
+        self.remote: list[Route] = []
+        routes_of_node: dict[int, list[Route]] = {}
+        for route in routes:
+            if route.src == route.dst:
+                self.local.append(route)
+            elif use_shared_memory and self.nodes[route.src] == self.nodes[route.dst]:
+                self.same_node.append(route)
+                routes_of_node.setdefault(self.nodes[route.src], []).append(route)
+            else:
+                self.remote.append(route)
+        members: dict[int, list[int]] = {}
+        for r, node in enumerate(self.nodes):
+            members.setdefault(node, []).append(r)
         mine = self.nodes[rank]
-        self.node_routes: list[Route] = []  # this node's same-node routes
+        self.node_routes: list[Route] = routes_of_node.get(mine, [])  # this node's
         self.node_group: dist.ProcessGroup | None = None
-        for node in sorted(set(self.nodes)):  # every rank makes every node's group, in order
-            members = [r for r, n in enumerate(self.nodes) if n == node]
-            node_routes = [r for r in same_node if self.nodes[r.src] == node]
-            if not node_routes:
-                continue
-            group = dist.new_group(members, backend="gloo", timeout=group_timeout)
+        for node in sorted(routes_of_node):  # every rank enters these groups, in this order
+            group = dist.new_group(members[node], backend="gloo", timeout=group_timeout)
             if node == mine:
-                self.node_routes, self.node_group = node_routes, group
+                self.node_group = group
         # The cross-node group: exactly the ranks with cross-node routes (NCCL on GPUs).
         self.p2p_members = sorted({r.src for r in self.remote} | {r.dst for r in self.remote})
         self.p2p_group = None
         if self.p2p_members:
-            if gpu:
-                check_one_rank_per_gpu(self.p2p_members, gpu_of_ranks(device, control))
+            if nccl:
+                check_one_rank_per_gpu(self.p2p_members, gpus)
             self.p2p_group = dist.new_group(self.p2p_members, backend=self.p2p_backend,
                                             timeout=group_timeout)
 
@@ -134,17 +162,20 @@ class RoutedTransport:
     """One step's payload exchange along a routing plan, split by locality.
 
     Construction is collective over the whole world (it makes process groups). ``nodes``:
-    node index per rank (default: from torchrun's environment). ``device``: where payloads live
-    (CPU: shared memory + gloo; CUDA: CUDA IPC + NCCL).
+    node index per rank (default: from torchrun's environment); ``gpus``: GPU id per rank
+    (default: gathered with the nodes). ``device``: where payloads live (CPU: shared memory +
+    gloo; CUDA: CUDA IPC + NCCL); ``backend`` overrides the cross-node group's.
     """
 
     def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype = torch.float32,
                  nodes: Sequence[int] | None = None, use_shared_memory: bool = True,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", gpus: Sequence[str | None] | None = None,
+                 backend: str | None = None) -> None:
         self.rank = dist.get_rank()
         self.numel, self.dtype = numel, dtype
         self.device = torch.device(device)
-        split = _Split(routes, nodes, use_shared_memory, self.device)
+        split = _Split(routes, nodes, use_shared_memory, self.device, gpus=gpus,
+                       backend=backend)
         self.local, self.remote = split.local, split.remote
         self.shm: SlotTransport | None = None
         if split.node_routes:
@@ -196,7 +227,8 @@ class RoutedStream:
     def __init__(self, routes: Sequence[Route], numel: int, dtype: torch.dtype = torch.float32,
                  nodes: Sequence[int] | None = None, use_shared_memory: bool = True,
                  device: torch.device | str = "cpu", timeout_s: float = 600.0,
-                 num_stats: int = 1, watch=None) -> None:
+                 num_stats: int = 1, watch=None, gpus: Sequence[str | None] | None = None,
+                 backend: str | None = None) -> None:
         local = [r for r in routes if r.src == r.dst]
         if local:
             raise ValueError(f"RoutedStream moves payloads between different ranks; "
@@ -206,7 +238,8 @@ class RoutedStream:
         # With a PeerWatch the waits are untimed (a slow peer is waited for, a dead one is
         # detected by its heartbeat): the groups' own timeout must not end them first.
         group_timeout = UNTIMED_GROUP_TIMEOUT if watch is not None else None
-        split = _Split(routes, nodes, use_shared_memory, self.device, group_timeout)
+        split = _Split(routes, nodes, use_shared_memory, self.device, group_timeout, gpus,
+                       backend)
         self.slots: SlotStream | None = None
         if split.node_routes:
             self.slots = SlotStream(split.node_routes, numel, dtype, slot_memory(self.device),
