@@ -45,12 +45,16 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
         self.short_inv_freq = longrope_inv_freq(info.rotary_base, dim, scaling.short_factor)
         self.long_inv_freq = longrope_inv_freq(info.rotary_base, dim, scaling.long_factor)
         self.inv_freq = self.short_inv_freq.to(self.inv_freq.device)
+        #: when set, the factors are chosen for sequences of this length (or the forward's, if
+        #: longer): see :func:`decide_longrope_at`
+        self.decision_length: int | None = None
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
                 cp_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
         """RoPE angles [max_seq_len, 1, 1, rotary dim] (this CP rank's part) of the factors
         ``max_seq_len`` selects."""
-        long = uses_long_factors(max_seq_len, self.original_max_position_embeddings)
+        length = max(max_seq_len, self.decision_length or 0)
+        long = uses_long_factors(length, self.original_max_position_embeddings)
         chosen = self.long_inv_freq if long else self.short_inv_freq
         self.inv_freq = chosen.to(self.inv_freq.device)
         emb = self.get_emb(max_seq_len, offset)
@@ -95,3 +99,15 @@ def install_longrope(model: torch.nn.Module, info: ModelInfo) -> None:
             raise RuntimeError(f"this Megatron-Core's attention has no {_MSCALE_ATTR}; LongRoPE's "
                                "attention factor cannot be applied")
         setattr(attention, _MSCALE_ATTR, factor)
+
+
+def decide_longrope_at(model: torch.nn.Module, length: int) -> None:
+    """Choose a LongRoPE model's factors as for batches of ``length`` positions, whatever width
+    a forward runs (no-op for other models). The teacher runs each micro-batch only as wide as
+    its longest text needs, rounded to its layout (CP, sequence parallelism) and, with PP, the
+    same for the replica's whole block: without this, whether a sample past the original length
+    saw the short or the long factors would depend on the layout and on its neighbours; with
+    it, every sample sees what HF computes on the batch padded to ``--teacher-seq-length``."""
+    for module in model.modules():
+        if isinstance(module, LongRopeRotaryEmbedding):
+            module.decision_length = int(length)
