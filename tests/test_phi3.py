@@ -144,6 +144,19 @@ def test_fused_split_is_the_megatron_layout():
     assert torch.equal(to_hf("fc1", to_megatron("fc1", [gate_up], info, 1), info)[0], gate_up)
 
 
+def test_model_info_and_config_of_the_phi3_shapes():
+    from megatron_xdistill.models.builder import transformer_config
+
+    mini = model_info_from_hf(tiny_config("phi4mini"))
+    assert (mini.hidden_size, mini.ffn_hidden_size, mini.kv_channels) == (96, 256, 16)
+    assert (mini.num_attention_heads, mini.num_query_groups) == (6, 2)
+    assert mini.rotary_percent == 0.75 and mini.tie_word_embeddings
+    assert mini.sliding_window == 2048 and mini.rope_scaling.rope_type == "longrope"
+    phi3 = model_info_from_hf(tiny_config("phi3"))
+    assert phi3.rotary_percent == 1.0 and not phi3.tie_word_embeddings
+    assert phi3.rope_scaling is None and transformer_config(phi3).window_size == (6, 0)
+
+
 def test_refused_phi3_configs_name_the_problem():
     config = tiny_config("phi4mini").to_dict()
     bad = dict(config, rope_parameters=dict(config["rope_parameters"], long_factor=[1.0] * 5))
