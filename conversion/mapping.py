@@ -10,7 +10,9 @@ unsharded Megatron tensor (TP=1) and back, and how TP splits it:
 - ``linear_fc1`` (SwiGLU): [gate; up] and each TP rank holds [gate_r; up_r];
 - column-parallel (qkv, fc1, vocab rows) split dim 0, row-parallel (linear_proj, fc2) dim 1;
 - vocab rows are padded with zeros to Megatron's padded size on import and cut on export;
-- tied embeddings: one HF tensor (``model.embed_tokens.weight``) feeds both ends.
+- tied embeddings: one HF tensor (``model.embed_tokens.weight``) feeds both ends;
+- Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are cut into q, k, v / gate, up first
+  (:mod:`conversion.phi3`).
 
 Megatron parameter names of both layer specs are understood (torch-native: separate
 ``input_layernorm``; TransformerEngine: ``linear_qkv.layer_norm_weight``).
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from conversion import phi3
 from conversion.safetensors_io import SafetensorsFolder, TensorSpec
 from megatron_xdistill.models.hf_config import ModelInfo
 
@@ -80,6 +83,8 @@ def layer_roles(info: ModelInfo) -> list[str]:
 
 def hf_names(role: str, layer: int | None, info: ModelInfo) -> list[str]:
     """The HF tensors a role is made of (global layer index)."""
+    if phi3.is_fused(role, info):
+        return [phi3.hf_name(role, layer)]
     p = f"model.layers.{layer}."
     return {
         "embedding": [EMBED],
@@ -109,6 +114,9 @@ def expected_hf_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
         "q_norm": [(d,)], "k_norm": [(d,)], "proj": [(h, q)], "attn_post_norm": [(h,)],
         "mlp_norm": [(h,)], "fc1": [(f, h), (f, h)], "fc2": [(h, f)], "mlp_post_norm": [(h,)],
     }
+    for role in ("qkv", "fc1"):
+        if phi3.is_fused(role, info):
+            shapes[role] = [phi3.fused_shape(role, info)]
     out = {EMBED: (info.vocab_size, h)}
     for layer in range(info.num_layers):
         for role in layer_roles(info):
@@ -163,6 +171,8 @@ def _qkv_dims(info: ModelInfo) -> tuple[int, int, int]:
 
 def to_megatron(role: str, tensors: list[torch.Tensor], info: ModelInfo, tp: int) -> torch.Tensor:
     """Join a role's HF tensors into its unsharded Megatron tensor (vocab padded for ``tp``)."""
+    if phi3.is_fused(role, info):
+        tensors = phi3.unfuse(role, tensors[0], info)
     if role == "qkv" or role == "qkv_bias":
         groups, q_rows, d = _qkv_dims(info)
         q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in tensors)
@@ -179,6 +189,11 @@ def to_megatron(role: str, tensors: list[torch.Tensor], info: ModelInfo, tp: int
 
 def to_hf(role: str, full: torch.Tensor, info: ModelInfo) -> list[torch.Tensor]:
     """Split an unsharded Megatron tensor into its role's HF tensors (views where possible)."""
+    parts = _split(role, full, info)
+    return [phi3.fuse(parts)] if phi3.is_fused(role, info) else parts
+
+
+def _split(role: str, full: torch.Tensor, info: ModelInfo) -> list[torch.Tensor]:
     if role == "qkv" or role == "qkv_bias":
         groups, q_rows, d = _qkv_dims(info)
         grouped = full.reshape(groups, q_rows + 2 * d, *full.shape[1:])

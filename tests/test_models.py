@@ -44,8 +44,8 @@ QWEN25_05B = {
 }
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
-def test_model_info_of_each_family(family):
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if not f.startswith("phi")])
+def test_model_info_of_each_family(family):  # the Phi-3 family's: tests/test_phi3.py
     info = model_info_from_hf(tiny_config(family))
     spec = TINY_FAMILIES[family]
     assert info.architecture == spec.architecture

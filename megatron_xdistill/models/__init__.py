@@ -3,7 +3,8 @@ installed); model checkpoints that carry their own architecture.
 
 Supported: Llama (Llama 2/3.x, SmolLM2), Mistral (sliding window), Qwen2/Qwen2.5 (QKV bias, tied
 or untied head), Qwen3 (QK RMSNorm), Gemma 3 text models (:mod:`.gemma3`: sandwich norms, local
-and global layers with their own RoPE, GeGLU, scaled embeddings; torch-native layers only). See
+and global layers with their own RoPE, GeGLU, scaled embeddings; torch-native layers only), the
+Phi-3 family (:mod:`.phi3`: fused projections, partial rotary, LongRoPE, Phi-4-mini). See
 ``SUPPORTED_ARCHITECTURES``.
 
 API for the training runtime::
@@ -49,6 +50,7 @@ _EXPORTS = {
     "check_tokenizer_fits": "description",
     "config_from_hf": "builder",
     "copy_hf_files": "model_checkpoint",
+    "decide_longrope_at": "phi3",
     "hf_files_dir": "model_checkpoint",
     "keep_hf_files": "model_checkpoint",
     "load_megatron_checkpoint": "model_checkpoint",
@@ -90,6 +92,7 @@ __all__ = [
     "check_layout",
     "config_from_hf",
     "copy_hf_files",
+    "decide_longrope_at",
     "hf_files_dir",
     "keep_hf_files",
     "load_megatron_checkpoint",

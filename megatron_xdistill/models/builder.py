@@ -17,7 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from megatron_xdistill.mcore import compat as mcore_compat
-from megatron_xdistill.models import gemma3
+from megatron_xdistill.models import gemma3, phi3
 from megatron_xdistill.models.hf_config import (  # noqa: F401 - check_layout: this API too
     ModelInfo,
     check_layout,
@@ -194,6 +194,7 @@ def build_gpt_model(
         parallel_output=parallel_output,
         share_embeddings_and_output_weights=info.tie_word_embeddings,
         position_embedding_type="rope",
+        rotary_percent=info.rotary_percent,
         rotary_base=info.rotary_base,
         rope_scaling=scaling is not None and scaling.rope_type == "llama3",
         rope_scaling_factor=scaling.factor if scaling is not None else 8.0,
@@ -204,6 +205,8 @@ def build_gpt_model(
     )
     if scaling is not None and scaling.rope_type == "llama3":
         model.rotary_pos_emb.inv_freq = _llama3_inv_freq(info, model.rotary_pos_emb)
+    if scaling is not None and scaling.rope_type == "longrope":
+        phi3.install_longrope(model, info)
     if info.embedding_multiplier is not None:
         gemma3.scale_embeddings(model, info.embedding_multiplier)
     if mcore_compat.cuda_available() and not config.use_cpu_initialization:

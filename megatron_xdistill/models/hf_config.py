@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_xdistill.models.longrope import LONGROPE_TYPES, longrope_parameters
+
 #: HF architecture -> family. Llama covers Llama 2/3.x and SmolLM; Mistral adds a sliding window.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -23,13 +25,14 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
 }
 #: HF activation (``hidden_act`` / Gemma's ``hidden_activation``) -> gated MLP activation.
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 #: HF ``layer_types`` entries we build (which layers use the sliding window).
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 #: HF ``rope_type`` values whose Megatron equivalent we build.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", *LONGROPE_TYPES)
 
 
 class UnsupportedModelError(ValueError):
@@ -38,13 +41,23 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: ``linear`` (positions / factor) or Llama 3's ``llama3``."""
+    """RoPE frequency scaling: ``linear`` (positions / factor), Llama 3's ``llama3`` or Phi-3's
+    ``longrope`` (:mod:`.longrope`: short / long factors per frequency, an attention factor)."""
 
     rope_type: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float | None = None
+
+    def __post_init__(self) -> None:  # JSON gives lists; equality needs tuples
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(x) for x in value))
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,8 @@ class ModelInfo:
     add_qkv_bias: bool
     qk_layernorm: bool
     rope_scaling: RopeScaling | None = None
+    #: Fraction of each head's channels that RoPE rotates (Phi-4-mini: 0.75; the first ones).
+    rotary_percent: float = 1.0
     sliding_window: int | None = None
     #: Per layer, 1 = sliding window, 0 = full attention (Megatron's ``window_attn_skip_freq``
     #: list); None = every layer slides when ``sliding_window`` is set.
@@ -146,7 +161,8 @@ def _load_hf_config(hf_config: Any) -> dict[str, Any]:
     raise TypeError(f"expected an HF config, its dict or a folder, got {type(hf_config).__name__}")
 
 
-def _rope_params(params: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
+def _rope_params(params: dict[str, Any], where: str, cfg: dict[str, Any] | None = None,
+                 rotary_dim: int = 0) -> tuple[float, RopeScaling | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if "rope_theta" not in params:
         raise UnsupportedModelError(f"{where}: no rope_theta in {sorted(params)}")
@@ -159,6 +175,13 @@ def _rope_params(params: dict[str, Any], where: str) -> tuple[float, RopeScaling
         return base, None
     if rope_type == "linear":
         return base, RopeScaling("linear", float(params["factor"]))
+    if rope_type in LONGROPE_TYPES:
+        if cfg is None:
+            raise UnsupportedModelError(f"{where}: LongRoPE is supported for the global RoPE only")
+        try:
+            return base, RopeScaling(**longrope_parameters(params, cfg, rotary_dim, where))
+        except ValueError as err:
+            raise UnsupportedModelError(str(err)) from None
     return base, RopeScaling(
         "llama3",
         float(params["factor"]),
@@ -168,11 +191,25 @@ def _rope_params(params: dict[str, Any], where: str) -> tuple[float, RopeScaling
     )
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]:
+def _rotary_percent(cfg: dict[str, Any], family: str) -> float:
+    """``partial_rotary_factor`` (top level, or in transformers 5's ``rope_parameters``)."""
+    params = cfg.get("rope_parameters") or {}
+    if set(params) & set(_LAYER_TYPES):
+        params = {}
+    percent = float(params.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1.0)
+    if percent != 1.0 and family != "phi3":
+        raise UnsupportedModelError(f"partial_rotary_factor={percent} is supported for the Phi-3 "
+                                    f"family only")
+    if not 0.0 < percent <= 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={percent}: expected 0 < f <= 1")
+    return percent
+
+
+def _rope(cfg: dict[str, Any], rotary_dim: int = 0
+          ) -> tuple[float, RopeScaling | None, float | None]:
     """(base, scaling, sliding layers' base or None) from transformers 5's ``rope_parameters``
-    (one dict, or one per layer type) or 4.x's rope_theta / rope_scaling / rope_local_base_freq."""
-    if float(cfg.get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    (one dict, or one per layer type) or 4.x's rope_theta / rope_scaling / rope_local_base_freq.
+    ``rotary_dim``: the rotated channels per head (LongRoPE's factor lists have half as many)."""
     params = cfg.get("rope_parameters")
     local_base = cfg.get("rope_local_base_freq")
     if params is None:
@@ -191,7 +228,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None, float | None]
                     "rope_parameters.sliding_attention: scaled RoPE on sliding-window layers is "
                     "not supported")
         params = params.get("full_attention", params.get("sliding_attention"))
-    base, scaling = _rope_params(params, "rope_parameters")
+    base, scaling = _rope_params(params, "rope_parameters", cfg, rotary_dim)
     if local_base is not None and float(local_base) == base and scaling is None:
         local_base = None  # one table serves every layer
     return base, scaling, None if local_base is None else float(local_base)
@@ -218,7 +255,7 @@ def _sliding_window(cfg: dict[str, Any], family: str) -> tuple[int | None, list[
         if kinds == {"sliding_attention"}:
             return int(window), None
         return int(window), [int(t == "sliding_attention") for t in layer_types]
-    if family == "mistral" or cfg.get("use_sliding_window"):
+    if family in ("mistral", "phi3") or cfg.get("use_sliding_window"):  # Phi-3: whenever set
         return (int(window), None) if window else (None, None)
     return None, None
 
@@ -242,6 +279,9 @@ def _check_unsupported(cfg: dict[str, Any], family: str) -> None:
     if family != "qwen2" and cfg.get("attention_bias"):
         raise UnsupportedModelError(
             "attention_bias=True (bias on q/k/v *and* o_proj) is not supported")
+    if family == "phi3" and float(cfg.get("resid_pdrop") or 0.0):
+        raise UnsupportedModelError(f"resid_pdrop={cfg['resid_pdrop']} (residual dropout) is not "
+                                    "supported")
     if cfg.get("num_experts") or cfg.get("num_local_experts"):
         raise UnsupportedModelError("mixture-of-experts models are not supported")
 
@@ -263,9 +303,10 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
     _check_unsupported(cfg, family)
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
-    base, scaling, local_base = _rope(cfg)
-    window, window_layers = _sliding_window(cfg, family)
     kv_channels = int(cfg.get("head_dim") or hidden // heads)
+    rotary_percent = _rotary_percent(cfg, family)
+    base, scaling, local_base = _rope(cfg, int(kv_channels * rotary_percent))
+    window, window_layers = _sliding_window(cfg, family)
     gemma = family == "gemma3"
     softmax_scale = None
     if gemma and float(cfg.get("query_pre_attn_scalar") or kv_channels) != kv_channels:
@@ -288,6 +329,7 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         add_qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias (and none on o_proj)
         qk_layernorm=family in ("qwen3", "gemma3"),
         rope_scaling=scaling,
+        rotary_percent=rotary_percent,
         sliding_window=window,
         window_layers=window_layers,
         local_rotary_base=local_base if window else None,

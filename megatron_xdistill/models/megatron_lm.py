@@ -161,7 +161,7 @@ def megatron_lm_args(info: ModelInfo, *, tp: int, pp: int, cp: int, seq_length: 
         num_query_groups=info.num_query_groups, kv_channels=info.kv_channels,
         max_position_embeddings=info.max_position_embeddings, seq_length=seq_length,
         position_embedding_type="rope", use_rotary_position_embeddings=True,
-        rotary_base=info.rotary_base, rotary_percent=1.0, rotary_interleaved=False,
+        rotary_base=info.rotary_base, rotary_percent=info.rotary_percent, rotary_interleaved=False,
         use_rope_scaling=info.rope_scaling is not None and info.rope_scaling.rope_type == "llama3",
         rope_scaling_factor=info.rope_scaling.factor if info.rope_scaling else 8.0,
         normalization="RMSNorm", norm_epsilon=info.norm_epsilon, swiglu=True,

@@ -61,6 +61,23 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
         rope_parameters={
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Phi-4-mini's ratios scaled down (hidden 3072 / 24 heads / 8 KV heads / ffn 8192 -> 96 / 6 /
+    # 2 / 256), its vocabulary, tied, 3/4 of each head rotated, LongRoPE with its 32x context
+    # (original 4096 -> 32, max 131072 -> 1024: attention factor sqrt(2)), long factors from its
+    # curve, short factors != 1 so that picking the wrong set shows; the window is past the
+    # context (262144 there) as in Phi-4-mini.
+    "phi4mini": TinyFamily("Phi3Config", "Phi3ForCausalLM", 200064, "gpt2", dict(
+        hidden_size=96, intermediate_size=256, num_attention_heads=6, num_key_value_heads=2,
+        tie_word_embeddings=True, max_position_embeddings=1024,
+        original_max_position_embeddings=32, sliding_window=2048, partial_rotary_factor=0.75,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3],
+                         "long_factor": [1.0, 1.25, 2.19, 5.35, 32.03, 47.77]})),
+    # Phi-3-mini-4k / -medium-4k: untied, full rotary, plain RoPE, a sliding window (2047 there)
+    # shorter than the test sequences; the Llama-2 SentencePiece vocabulary plus 64 added.
+    "phi3": TinyFamily("Phi3Config", "Phi3ForCausalLM", 32064, "mistral", dict(
+        tie_word_embeddings=False, sliding_window=7, rope_theta=10000.0)),
 }
 
 
@@ -89,15 +106,16 @@ def tiny_config(family: str, **overrides: Any):
 
 
 def make_tiny_model(family: str, out_dir: str, tokenizers_dir: str | None = None,
-                    seed: int = 0) -> str:
+                    seed: int = 0, **overrides: Any) -> str:
     """Save a tiny random HF model of ``family`` (see ``TINY_FAMILIES``) to ``out_dir``.
 
     ``tokenizers_dir/<tokenizer>`` (the shared assets' tokenizers) is copied in when given.
+    ``overrides``: config fields that differ from the family's (e.g. another ``vocab_size``).
     """
     import transformers
 
     spec = TINY_FAMILIES[family]
-    config = tiny_config(family)
+    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomise(model, seed)

@@ -43,6 +43,8 @@ class TeacherSide:
                 info, groups, dtype, seed=config.seed, **config.model_options)
             models_api.load_megatron_checkpoint(self.model, config.load,
                                                 groups.pg_collection, process_group=world)
+            # LongRoPE: the factors of the configured width, not of a trimmed micro-batch's
+            models_api.decide_longrope_at(self.model, config.seq_length)
             self.model.eval()
             for param in self.model.parameters():
                 param.requires_grad_(False)
