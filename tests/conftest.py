@@ -4,7 +4,8 @@ Device: a session that selects ``gpu``-marked tests (``-m gpu``, ``make test-gpu
 GPU; any other session (``make test``) is the CPU suite and hides CUDA from itself and every rank
 it starts (``CUDA_VISIBLE_DEVICES=""``), so it computes exactly what it computes on a machine
 without a GPU (gloo ranks, CPU numerics and tolerances), wherever it runs. Its gpu-marked tests
-are skipped with a reason that names ``make test-gpu``.
+are skipped with a reason that names ``make test-gpu``; the loss's Triton kernels run there under
+Triton's interpreter (``TRITON_INTERPRET=1``).
 
 The end-to-end setup (tiny converted models, projection, text) and its single-rank reference
 losses are built once per session for every module that trains (test_e2e, test_disaggregated).
@@ -35,6 +36,9 @@ def pytest_configure(config) -> None:
     if not _GPU_SESSION:
         # Before anything initialises CUDA here; the ranks and subprocesses inherit it.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        # The loss's Triton kernels run on CPU tensors through Triton's interpreter (set before
+        # anything imports Triton; the ranks inherit it): the fused-kernel tests run here too.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     # Megatron-Core adapted to this machine, as pretrain_xdistill.py does at start-up (after
     # CUDA_VISIBLE_DEVICES: on a CPU session its CPU adaptations apply).
     from megatron_xdistill.mcore import compat as mcore_compat

@@ -8,6 +8,11 @@
 #   gpu_tests       360 s  every gpu-marked test under tests/, collected by marker (CUDA IPC
 #                          stream, GPU loss vs reference, training on the GPU vs the CPU run,
 #                          KV-cached greedy generation vs HF, device placement, fused loss)
+#   fused_loss      300 s  the exact (image) and gold / H-KL forms on the fused Triton passes
+#                          (issue 60): their gpu-marked tests, then bench_loss.py at 16k tokens,
+#                          V_s 49,152 and 128,256, fp32 and bf16, with CE: ms, x CE, kernel
+#                          launches, share of the bandwidth floor, extra memory; result files
+#                          under $OUT/results
 #   bench_loss      200 s  the loss forms vs Megatron's CE at 16k tokens, V_s 49,152 and 128,256
 #   bench_loss_blocks 150 s  the exact and gold forms: a kernel profile, and three block sizes
 #   bench_loss_image 200 s  the image form (training's exact payload), gold and chunk top-k vs
@@ -51,6 +56,14 @@ part() {  # part NAME SECONDS COMMAND...: one check, its own log and limit
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "   exit $? after $((SECONDS - t0)) s"; grep -v -i "warn" "$OUT/$name.log" | tail -n 25
 }
+fused() {  # the fused passes' gpu tests, then their rows in both dtypes
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loss_fused_forms.py || return
+  for dtype in bfloat16 float32; do
+    XDISTILL_RESULTS_DIR=$OUT/results python3 benchmarks/bench_loss.py --device cuda \
+      --tokens 16384 --vs 49152 128256 --forms chunk_topk image gold hkl --with-ce \
+      --dtype "$dtype" --repeat 2 || return
+  done
+}
 blocks() {  # the exact and gold forms: the default blocks (accelerators: within 10% of the
   # logits, loss.student.block_positions) with a kernel profile, then the CPU rule's 85
   # positions a block (--block-mib 64) and 682 (512) at V_s 49,152
@@ -66,6 +79,7 @@ for name in "$@"; do
   case $name in
     gpu_tests) part gpu_tests 360 python3 -m pytest -q -m gpu -p no:cacheprovider \
                  --durations=0 tests ;;
+    fused_loss) part fused_loss 300 bash -c "OUT=$OUT; $(declare -f fused); fused" ;;
     bench_loss) part bench_loss 200 python3 benchmarks/bench_loss.py --device cuda \
                   --tokens 16384 --forms topk chunk_topk gold full --repeat 3 ;;
     bench_loss_blocks) part bench_loss_blocks 150 bash -c "$(declare -f blocks); blocks" ;;

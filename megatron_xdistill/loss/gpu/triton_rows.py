@@ -53,3 +53,74 @@ def softmax_combine(out_ptr, out_stride, x_ptr, x_stride, n_cols, scale, lse_ptr
         value += tl.exp(x - tl.load(lse1_ptr + row)) * tl.load(b_ptr + row)
     out = out_ptr + row.to(tl.int64) * out_stride + cols
     tl.store(out, value.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def chunk_gradient(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, lse_ptr,
+                   first_ptr, len_ptr, rows_ptr, h_ptr, h_stride, coef_ptr, dot_ptr,
+                   hsum_ptr, ce_ptr, label_ptr, lse1_ptr,
+                   IMAGE: tl.constexpr, CE: tl.constexpr, CE_OWN: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    # The logits' gradient of one chunk row's positions, written once in out's dtype:
+    # exact form coef * p * (h - dot[t]); gold coef * (h - p * hsum) (h: the row's gradient on
+    # its summed probabilities / log-prob means); plus CE's ce[t] * (p1 - onehot(label[t])),
+    # p1 = p at T = 1 (CE_OWN: exp(x - lse1[t])). Padded columns get 0.
+    g = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + g)
+    first = tl.load(first_ptr + row)
+    length = tl.load(len_ptr + row)
+    coef = tl.load(coef_ptr + g)
+    if not IMAGE:
+        hsum = tl.load(hsum_ptr + g)
+    for k in tl.range(0, length):
+        t = (first + k).to(tl.int64)
+        lse = tl.load(lse_ptr + t)
+        if IMAGE:
+            dot = tl.load(dot_ptr + t)
+        if CE:
+            ce = tl.load(ce_ptr + t)
+            label = tl.load(label_ptr + t)
+            if CE_OWN:
+                lse1 = tl.load(lse1_ptr + t)
+        for start in tl.range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < n_cols
+            real = cols < n_real
+            x = tl.load(x_ptr + t * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
+            h = tl.load(h_ptr + g * h_stride + cols, mask=real, other=0.0)
+            p = tl.exp(x * scale - lse)
+            if IMAGE:
+                value = coef * p * (h - dot)
+            else:
+                value = coef * (h - p * hsum)
+            if CE:
+                if CE_OWN:
+                    p1 = tl.exp(x - lse1)
+                else:
+                    p1 = p
+                value += ce * (p1 - tl.where(cols == label, 1.0, 0.0))
+            value = tl.where(real, value, 0.0)
+            tl.store(out_ptr + t * out_stride + cols, value.to(out_ptr.dtype.element_ty),
+                     mask=inside)
+
+
+@triton.jit
+def plain_gradient(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, pos_row_ptr,
+                   ce_ptr, label_ptr, lse1_ptr, CE: tl.constexpr, BLOCK: tl.constexpr):
+    # The gradient of a position that predicts no chunk row: CE's alone (or 0).
+    t = tl.program_id(0).to(tl.int64)
+    if tl.load(pos_row_ptr + t) < 0:
+        if CE:
+            ce = tl.load(ce_ptr + t)
+            label = tl.load(label_ptr + t)
+            lse1 = tl.load(lse1_ptr + t)
+        for start in tl.range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < n_cols
+            value = tl.zeros([BLOCK], tl.float32)
+            if CE:
+                x = tl.load(x_ptr + t * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
+                value = ce * (tl.exp(x - lse1) - tl.where(cols == label, 1.0, 0.0))
+            value = tl.where(cols < n_real, value, 0.0)
+            tl.store(out_ptr + t * out_stride + cols, value.to(out_ptr.dtype.element_ty),
+                     mask=inside)

@@ -14,6 +14,7 @@ import torch
 from megatron_xdistill.loss.blocks.block_data import BlockData, Raw
 from megatron_xdistill.loss.collectives import all_gather
 from megatron_xdistill.loss.cpu import rows as cpu_rows
+from megatron_xdistill.loss.fused.call import upstream_scale
 from megatron_xdistill.loss.gpu.fused_grad import FusedGradWriter
 
 
@@ -87,19 +88,8 @@ class BlockGradients:
                                "call the loss again, or pass no loss_weights, to backward twice")
         # A sum that does not depend on these logits (no chunk rows here; no labels) takes
         # any upstream gradient.
-        terms = [(name, 0.0 if g is None else float(g), w)
-                 for name, g, w, live in (("kd_sum", g_kd, a, self.rows.num_rows > 0),
-                                          ("ce_sum", g_ce, b, self.labels is not None))
-                 if live]
-        scale = next((got / w for _, got, w in terms if w != 0.0), 0.0)
-        for name, got, weight in terms:
-            want = scale * weight
-            if abs(got - want) > 1e-5 * max(abs(got), abs(want)) + 1e-30:
-                raise RuntimeError(
-                    f"parallel_kd_loss(loss_weights=({a!r}, {b!r})) wrote the gradient of "
-                    f"{a!r} * kd_sum + {b!r} * ce_sum in its forward, but the backward got "
-                    f"{got!r} for {name} (expected {want!r}, the loss's other term gave scale "
-                    f"{scale!r}): pass the weights the loss applies to the two sums, or none")
+        scale = upstream_scale(g_kd, g_ce, (a, b), self.rows.num_rows > 0,
+                               self.labels is not None)
         grad = self.grad_full
         del self.grad_full
         # A scale within the compute dtype's half-ulp of 1 (the upstream gradient 1 / n in

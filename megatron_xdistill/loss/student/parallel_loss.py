@@ -26,7 +26,13 @@ from megatron_xdistill.loss.blocks.shard import ProjectionShard
 from megatron_xdistill.loss.collectives import Group, group_rank, group_size
 from megatron_xdistill.loss.definitions.common import UNCOMMON_TOPK, check_mode, divergence_beta
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
+from megatron_xdistill.loss.fused import call as fused_call
+from megatron_xdistill.loss.fused.gold import GoldPass
+from megatron_xdistill.loss.fused.image import ImagePass
+from megatron_xdistill.loss.fused.layout import row_layout
 from megatron_xdistill.loss.gpu import row_softmax
+from megatron_xdistill.loss.kernels.gold import GoldKernel
+from megatron_xdistill.loss.kernels.image import ImageKernel
 from megatron_xdistill.loss.kernels.pkl import ColumnsKernel
 from megatron_xdistill.loss.student.kernel_choice import (
     KernelOptions,
@@ -166,8 +172,9 @@ def parallel_kd_loss(
         options = KernelOptions(mode, divergence_beta(reverse, jsd_beta), exact_only,
                                 common_student_ids, uncommon_topk)
         vocab = VocabShard(student_vocab_size, vocab_start, v_local, num_real, dev)
-        rows = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact, exact_only,
-                              cp_group, max_block).to(dev)  # once: kernel and plan index with them
+        rows_cpu = chunk_rows_for(payload, student_chunk_id, chunk_valid, chunk_exact,
+                                  exact_only, cp_group, max_block)
+        rows = rows_cpu.to(dev)  # once: kernel and plan index with them
         kernel = build_kernel(kernel_class, payload, rows, projection, options, vocab, tp_group)
         if sample_weights is not None:
             if sample_weights.shape != (b,):
@@ -179,6 +186,16 @@ def parallel_kd_loss(
         grad_weights = _checked_weights(loss_weights)
         if not (torch.is_grad_enabled() and student_logits.requires_grad):
             grad_weights = None  # no backward to serve
+    if payload is not None and fused_call.takes(_FUSED_FORMS.get(kernel_class),
+                                                student_logits):
+        try:
+            return _fused_terms(kernel, rows_cpu, rows, student_logits, sample_weights,
+                                num_real=num_real, vocab_start=vocab_start,
+                                temperature=temperature, labels=labels, tp_group=tp_group,
+                                cp_group=cp_group, block_bytes=block_bytes,
+                                into_logits=grad_into_logits, grad_weights=grad_weights)
+        except fused_call.compile_errors() as err:  # the same kernels fail on every rank
+            fused_call.refuse(err)  # loudly, once; the blockwise plan gives the same sums
     plan = StudentLossPlan(rows=rows, kernel=kernel or NoKernel(), num_real=num_real,
                  vocab_start=vocab_start, temperature=temperature, labels=labels,
                  tp_group=tp_group, cp_group=cp_group, max_block=_longest(rows), fused=fused,
@@ -186,6 +203,35 @@ def parallel_kd_loss(
     kd_sum, ce_sum = _KDFunction.apply(student_logits, plan)
     return KDTerms(kd_sum=kd_sum, kd_count=plan.kd_count.to(dev), top1=plan.top1.to(dev),
                    ce_sum=ce_sum, ce_count=plan.ce_count.to(dev))
+
+
+#: the kernels whose forms the fused passes take (:mod:`fused.call`)
+_FUSED_FORMS = {ImageKernel: "image", GoldKernel: "gold"}
+
+
+def _fused_terms(kernel, rows_cpu: ChunkRows, rows: ChunkRows, logits: torch.Tensor,
+                 sample_weights: torch.Tensor | None, *, num_real: int, vocab_start: int,
+                 temperature: float, labels: torch.Tensor | None, tp_group: Group,
+                 cp_group: Group, block_bytes: int | None, into_logits: bool,
+                 grad_weights: tuple[float, float] | None) -> KDTerms:
+    """:func:`parallel_kd_loss` by the fused passes (:mod:`fused.call`), from the blockwise
+    kernel made for the call (its inputs checked, the projection's image built)."""
+    inner = kernel.kernel if isinstance(kernel, SampleWeighted) else kernel
+    if isinstance(inner, ImageKernel):
+        form = ImagePass(inner.payload, inner.proj, num_real, inner.beta, tp_group, cp_group)
+    else:
+        form = GoldPass(inner.payload, inner.pair_local, inner.col_common, inner.num_common,
+                        num_real, inner.num_uncommon, inner.beta, tp_group, cp_group)
+    dev = logits.device
+    size = fused_call.group_rows(form.row_bytes(), logits, block_bytes)
+    layout = row_layout(rows_cpu, rows, rows_cpu.pos_row.numel(), size, sample_weights,
+                        cp_group, dev)
+    call = fused_call.FusedCall(form, layout, num_real=num_real, vocab_start=vocab_start,
+                                temperature=temperature, labels=labels, tp_group=tp_group,
+                                into_logits=into_logits, grad_weights=grad_weights)
+    kd_sum, ce_sum = fused_call.run(call, logits)
+    return KDTerms(kd_sum=kd_sum, kd_count=call.kd_count.to(dev), top1=call.top1.to(dev),
+                   ce_sum=ce_sum, ce_count=call.ce_count.to(dev))
 
 
 def forward_writes_gradient(mode: str, form: str, cp_size: int) -> bool:

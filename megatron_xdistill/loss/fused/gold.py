@@ -1,0 +1,165 @@
+"""Gold / H-KL of a row group by :mod:`gpu.triton_gold`'s kernels.
+
+Per chunk row: the summed logits / T of its positions on this shard, s [V_real], and the sum of
+their log-partitions; the chunk-mean log-probs are a = (s - sum lse) / count. The divergence on
+the common pairs is summed over TP. The uncommon term needs the n largest of exp(a) over the
+uncommon columns of every TP shard: a radix select finds the n-th largest value with four
+histograms of 256 bins (each summed over TP), each shard compacts its values above it (and its
+share of the ties, in rank order) into its slots of a list of n, the lists are summed over TP, and
+every rank sorts the same list against the teacher's sorted probabilities. The gradient on a,
+h, is the divergence's on the common columns and sign(s_k - t_k) s_k on the selected ones;
+:func:`gpu.triton_rows.chunk_gradient` writes (h - p sum h) / (T count) from it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_xdistill.loss.collectives import Group, all_gather, all_reduce, group_rank
+from megatron_xdistill.loss.definitions.payload import TeacherPayload
+from megatron_xdistill.loss.fused.layout import RowGroup, RowLayout, next_pow2
+
+_INT_MAX = 2147483647
+
+
+def _beta_kind(beta: float) -> int:
+    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+
+
+class GoldPass:
+    """Gold / H-KL's passes over row groups (see the module docstring)."""
+
+    def __init__(self, payload: TeacherPayload, pair: torch.Tensor, pair_col: torch.Tensor,
+                 num_common: int, num_real: int, num_uncommon: int, beta: float,
+                 tp_group: Group, cp_group: Group) -> None:
+        """``pair`` / ``pair_col``: the common pairs whose student token is on this shard (pair
+        index, local column), as :class:`kernels.gold.GoldKernel` finds them."""
+        dev = pair_col.device
+        self.payload, self.num_real, self.n = payload, num_real, int(num_uncommon)
+        self.beta, self.tp_group, self.cp_group = beta, tp_group, cp_group
+        self.num_common = int(num_common)
+        self.pair = pair.contiguous()
+        self.pair_col = pair_col.contiguous()
+        self.is_common = torch.zeros(max(num_real, 1), dtype=torch.int8, device=dev)
+        self.is_common[self.pair_col] = 1
+        self.logprobs = payload.logprobs.reshape(-1, payload.spec.width).float().contiguous()
+        unc = payload.uncommon_probs.reshape(-1, payload.spec.uncommon)
+        self.teacher_sorted = unc[:, : self.n].float().contiguous()
+        self.teacher_best = (self.logprobs.argmax(1) if self.num_common
+                             else torch.zeros(self.logprobs.shape[0], dtype=torch.int64,
+                                              device=dev))
+
+    def row_bytes(self) -> int:
+        """fp32 bytes a row of a group holds: s and h on V_real, the list of n with its
+        columns and gradient."""
+        return 4 * (2 * self.num_real + 3 * self.n + 512)
+
+    def run(self, x: torch.Tensor, scale: float, lse_sum: torch.Tensor, layout: RowLayout,
+            group: RowGroup, grad: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(KL [g] float64, top-1 [g] bool, h [g, V_real], sum of h over V [g]; the last two
+        None without ``grad``) of ``group``. ``lse_sum`` [R + 1]: each row's summed
+        TP-wide log-partitions."""
+        from megatron_xdistill.loss.gpu import triton_gold  # Triton: only where the passes run
+
+        n_rows, dev = group.size, x.device
+        block = min(2048, next_pow2(max(self.num_real, 16)))
+        s = torch.empty(n_rows, self.num_real, dtype=torch.float32, device=dev)
+        triton_gold.chunk_logit_sums[(n_rows,)](
+            x, x.stride(0), layout.first, layout.length, group.rows, self.num_real,
+            float(scale), s, s.stride(0), BLOCK=block)
+        lsum = lse_sum.index_select(0, group.rows).float()
+        if group.split:  # the positions of the other CP ranks
+            all_reduce(s, self.cp_group)
+            all_reduce(lsum, self.cp_group)
+        count = group.count.float().contiguous()
+        keys = group.keys
+        h = torch.zeros(n_rows, self.num_real + 1, dtype=torch.float32, device=dev) if grad \
+            else s  # the last column takes the other ranks' slots' scatter
+        common = torch.empty(n_rows, dtype=torch.float64, device=dev)
+        best = torch.empty(n_rows, dtype=torch.float32, device=dev)
+        best_at = torch.empty(n_rows, dtype=torch.int32, device=dev)
+        n_pairs = int(self.pair.numel())
+        if n_pairs:
+            triton_gold.common_divergence[(n_rows,)](
+                s, s.stride(0), lsum, count, keys, self.logprobs, self.logprobs.stride(0),
+                self.pair_col, self.pair, n_pairs, h, h.stride(0), common, best, best_at,
+                float(self.beta), BETA_KIND=_beta_kind(self.beta), GRAD=grad,
+                BLOCK=min(1024, next_pow2(n_pairs)))
+        else:
+            common.zero_()
+            best.fill_(float("-inf"))
+            best_at.fill_(_INT_MAX)
+        all_reduce(common, self.tp_group)
+        top = all_reduce(best.clone(), self.tp_group, "max")
+        best_at = torch.where(best == top, best_at, _INT_MAX).neg_()
+        best_at = all_reduce(best_at, self.tp_group, "max").neg_()  # the first pair
+        top1 = ((best_at.long() == self.teacher_best.index_select(0, keys))
+                if self.num_common else torch.zeros(n_rows, dtype=torch.bool, device=dev))
+        kl = common
+        if self.n:
+            l1, slots, cols = self._uncommon(s, lsum, count, keys, n_rows, block, grad)
+            kl = kl + l1
+            if grad:
+                h.scatter_(1, torch.where(cols >= 0, cols, self.num_real).long(), slots)
+        if not grad:
+            return kl, top1, None, None
+        h = h[:, : self.num_real]
+        hsum = all_reduce(h.sum(1), self.tp_group)
+        return kl, top1, h, hsum
+
+    def _uncommon(self, s, lsum, count, keys, n_rows: int, block: int, grad: bool):
+        """(sorted L1 [g] float64, its gradient on a at each list slot [g, n], each slot's
+        local column or -1) of the rows' n largest uncommon probabilities."""
+        from megatron_xdistill.loss.gpu import triton_gold
+
+        dev, n = s.device, self.n
+        prefix = torch.zeros(n_rows, dtype=torch.int32, device=dev)
+        left = torch.full((n_rows,), n, dtype=torch.int64, device=dev)
+        gt_local = torch.zeros(n_rows, dtype=torch.int64, device=dev)
+        hist = torch.empty(n_rows, 256, dtype=torch.int32, device=dev)
+        for shift in (24, 16, 8, 0):
+            triton_gold.radix_histogram[(n_rows,)](
+                s, s.stride(0), lsum, count, self.is_common, self.num_real, prefix, hist,
+                SHIFT=shift, BLOCK=block)
+            local = hist.long()
+            total = all_reduce(local.clone(), self.tp_group)
+            at_least = total.flip(1).cumsum(1).flip(1)  # values with digit >= d
+            digit = (at_least >= left[:, None]).sum(1) - 1
+            above = (at_least - total).gather(1, digit[:, None])[:, 0]
+            left -= above
+            local_above = (local.flip(1).cumsum(1).flip(1) - local).gather(1, digit[:, None])
+            gt_local += local_above[:, 0]
+            eq_local = local.gather(1, digit[:, None])[:, 0]
+            prefix |= (digit << shift).to(torch.int32)
+        ranks = torch.stack(all_gather(torch.stack([gt_local, eq_local], 1), self.tp_group))
+        me = group_rank(self.tp_group)
+        gt_all, eq_all = ranks[..., 0], ranks[..., 1]  # [tp, g]
+        take = torch.minimum(eq_all, (left[None, :] - (eq_all.cumsum(0) - eq_all)).clamp_min(0))
+        gt_base = (gt_all.cumsum(0) - gt_all)[me]
+        eq_base = (n - left) + (take.cumsum(0) - take)[me]
+        values = torch.zeros(n_rows, n, dtype=torch.float32, device=dev)
+        cols = torch.full((n_rows, n), -1, dtype=torch.int32, device=dev)
+        triton_gold.compact_top[(n_rows,)](
+            s, s.stride(0), lsum, count, self.is_common, self.num_real, prefix,
+            gt_base.contiguous(), eq_base.contiguous(), take[me].contiguous(), values, cols, n,
+            BLOCK=block)
+        all_reduce(values, self.tp_group)
+        l1 = torch.empty(n_rows, dtype=torch.float64, device=dev)
+        slots = torch.zeros(n_rows, n, dtype=torch.float32, device=dev)
+        width = next_pow2(n)
+        per = max(1, min(16, 4096 // width))  # rows a program sorts: short lists go together
+        triton_gold.sorted_l1[(-(-n_rows // per),)](
+            values, n, n_rows, keys, self.teacher_sorted, self.teacher_sorted.stride(0), l1,
+            slots, ROWS=per, BLOCK=width)
+        return l1, slots, cols
+
+    @staticmethod
+    def coefficient(weight: torch.Tensor, group: RowGroup, temperature: float
+                    ) -> torch.Tensor:
+        """Each row's factor on (h - p sum h): d(T^2 KL) / d(logits) = T / count (h - p sum h)
+        times the row's weight and the loss's weight on the KD sum."""
+        return (weight * group.weight * temperature / group.count).float().contiguous()
+
+
+__all__ = ["GoldPass"]
