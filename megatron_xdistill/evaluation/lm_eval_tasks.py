@@ -93,12 +93,14 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
-def evaluate_tasks(lm: Any, specs: Sequence[str], limit: int | None = None) -> dict[str, float]:
+def evaluate_tasks(lm: Any, specs: Sequence[str], limit: int | None = None,
+                   gen_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
     """Score ``lm`` on the tasks: ``{"<task>/<metric>": value}`` (lm-eval's own metric names,
     the ``,none`` filter suffix dropped, standard errors left out). Every rank of the model's
     world calls this together and gets the numbers: lm-eval aggregates on the process whose
     ``LOCAL_RANK`` is 0, so it is told so on each (the ranks hold the same results in lockstep;
-    a disaggregated run's student ranks need not include local rank 0)."""
+    a disaggregated run's student ranks need not include local rank 0). ``gen_kwargs`` override
+    the tasks' generation arguments (e.g. ``{"max_gen_toks": 64}``)."""
     import lm_eval
 
     tasks, manager = task_specs(specs)
@@ -106,7 +108,8 @@ def evaluate_tasks(lm: Any, specs: Sequence[str], limit: int | None = None) -> d
     os.environ["LOCAL_RANK"] = "0"
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
-                                      bootstrap_iters=0, log_samples=False, verbosity="WARNING")
+                                      bootstrap_iters=0, log_samples=False, verbosity="WARNING",
+                                      gen_kwargs=gen_kwargs)
     finally:
         if saved is None:
             os.environ.pop("LOCAL_RANK", None)
