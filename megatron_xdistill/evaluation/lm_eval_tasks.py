@@ -94,13 +94,16 @@ def _first_line(err: BaseException) -> str:
 
 
 def evaluate_tasks(lm: Any, specs: Sequence[str], limit: int | None = None,
-                   gen_kwargs: dict[str, Any] | None = None) -> dict[str, float]:
+                   gen_kwargs: dict[str, Any] | None = None,
+                   use_cache: str | None = None) -> dict[str, float]:
     """Score ``lm`` on the tasks: ``{"<task>/<metric>": value}`` (lm-eval's own metric names,
     the ``,none`` filter suffix dropped, standard errors left out). Every rank of the model's
     world calls this together and gets the numbers: lm-eval aggregates on the process whose
     ``LOCAL_RANK`` is 0, so it is told so on each (the ranks hold the same results in lockstep;
     a disaggregated run's student ranks need not include local rank 0). ``gen_kwargs`` override
-    the tasks' generation arguments (e.g. ``{"max_gen_toks": 64}``)."""
+    the tasks' generation arguments (e.g. ``{"max_gen_toks": 64}``); ``use_cache``: lm-eval's
+    request cache (an SQLite file prefix): a killed evaluation resumes from its answered
+    requests."""
     import lm_eval
 
     tasks, manager = task_specs(specs)
@@ -109,7 +112,7 @@ def evaluate_tasks(lm: Any, specs: Sequence[str], limit: int | None = None,
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                       bootstrap_iters=0, log_samples=False, verbosity="WARNING",
-                                      gen_kwargs=gen_kwargs)
+                                      gen_kwargs=gen_kwargs, use_cache=use_cache)
     finally:
         if saved is None:
             os.environ.pop("LOCAL_RANK", None)
