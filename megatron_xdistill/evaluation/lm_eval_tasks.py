@@ -17,9 +17,9 @@ from typing import Any
 #: how to make a task run offline, said by every refusal
 OFFLINE_HINT = ("lm-eval reads task data from the Hugging Face hub unless it is local: write a "
                 "task YAML with `dataset_path: json` and `dataset_kwargs: {data_files: "
-                "{test: /path/data.jsonl}}` and pass its path, or pass --include_path / the "
-                "task YAML of a task whose dataset is in the local datasets cache "
-                "(HF_DATASETS_CACHE)")
+                "{test: /path/data.jsonl}}` over a local copy and pass the YAML's path instead "
+                "of the name (docs/evaluation.md); a task whose dataset is in the local "
+                "datasets cache (HF_DATASETS_CACHE) also works by name")
 
 
 class TaskUnavailable(ValueError):
