@@ -427,6 +427,12 @@ class Distiller:
         student ranks, nothing to do on disaggregated teacher ranks)."""
         return {} if self.student is None else self.student.evaluate(batches, self.kds[0])
 
+    def evaluate_tasks(self, tasks: list[str], limit: int | None, tokenizer) -> dict[str, float]:
+        """lm-eval task scores of the student (collective over the student ranks; nothing on
+        disaggregated teacher ranks)."""
+        return {} if self.student is None else self.student.evaluate_tasks(tasks, limit,
+                                                                           tokenizer)
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: str, iteration: int, common: dict) -> str:
         """Collective over the world: the student's training checkpoint (disaggregated teacher

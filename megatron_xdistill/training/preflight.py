@@ -86,7 +86,23 @@ def run_preflight(args: argparse.Namespace, found: Preflight) -> Preflight:
                    lambda: check_projections(args, tokenizers))
         found.step("data files (first records)", lambda: check_data(args))
         found.step("teacher caches", lambda: check_teacher_caches(args, tokenizers))
+        if args.eval_tasks:
+            found.step("--eval-tasks' data on this machine", lambda: check_eval_tasks(args))
     return found
+
+
+def check_eval_tasks(args: argparse.Namespace) -> None:
+    """Every --eval-tasks task builds from data on this machine (the hub switched off), so a
+    missing dataset is refused now and not at the first evaluation."""
+    try:
+        from megatron_xdistill.evaluation.lm_eval_tasks import TaskUnavailable, check_tasks_offline
+    except ImportError as err:  # an optional extra
+        raise InputError(f"--eval-tasks needs lm-evaluation-harness ({err}): pip install "
+                         "'megatron-xdistill[eval]'") from err
+    try:
+        check_tasks_offline(args.eval_tasks)
+    except TaskUnavailable as err:
+        raise InputError(f"--eval-tasks: {err}") from err
 
 
 def _sides(args: argparse.Namespace) -> list[tuple[str, str, str, argparse.Namespace]]:

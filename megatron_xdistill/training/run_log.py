@@ -194,6 +194,8 @@ def validation_line(record: Mapping) -> str:
         parts += [f"lm loss value: {ce:.6E}", f"lm loss PPL: {math.exp(min(ce, 700)):.6E}"]
     if record.get("eval_bpb") is not None:
         parts.append(f"bits per byte: {record['eval_bpb']:.4f}")
+    parts += [f"{key}: {value:.4f}" for key, value in record.items()
+              if "/" in key and isinstance(value, float)]  # --eval-tasks' metrics
     return " | ".join(parts)
 
 

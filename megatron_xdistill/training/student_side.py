@@ -335,7 +335,9 @@ class StudentSide:
 
     def evaluate(self, batches: list[dict], kd: KDObjective) -> dict[str, float]:
         """CE and bits per byte on held-out batches (forward only; collective over the student
-        ranks)."""
+        ranks); nothing without held-out data."""
+        if batches is None:
+            return {}
         groups = self.groups
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
 
@@ -361,6 +363,19 @@ class StudentSide:
         nats, tokens, num_bytes = totals.tolist()
         return {"eval_ce": nats / max(tokens, 1.0),
                 "eval_bpb": nats / (math.log(2) * max(num_bytes, 1.0)), "eval_tokens": int(tokens)}
+
+    def evaluate_tasks(self, tasks: list[str], limit: int | None, tokenizer) -> dict[str, float]:
+        """lm-eval task scores of the student in its training layout (every student rank runs
+        the harness in lockstep; :mod:`megatron_xdistill.evaluation.lm_eval_backend`)."""
+        from megatron_xdistill.evaluation.lm_eval_backend import XDistillLM
+        from megatron_xdistill.evaluation.lm_eval_tasks import evaluate_tasks
+        from megatron_xdistill.evaluation.parallel_model import ParallelModel
+
+        model = ParallelModel(self.model, self.groups, self.info.vocab_size,
+                              self.info.max_position_embeddings, self.device)
+        lm = XDistillLM(model=model, tokenizer=tokenizer, batch_size=max(self.mbs, 1))
+        with self.whole_parameters():
+            return evaluate_tasks(lm, tasks, limit)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: str, iteration: int, common: dict, partial_world: bool,

@@ -138,8 +138,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            f"--keep-last-checkpoints needs --save and N >= 1, got "
            f"{args.keep_last_checkpoints}")
     if args.eval_interval is not None:
-        _check(args.valid_data_path is not None or args.split is not None,
-               "--eval-interval needs --valid-data-path or --split")
+        _check(args.valid_data_path is not None or args.split is not None or args.eval_tasks,
+               "--eval-interval needs --valid-data-path or --split (held-out text) or "
+               "--eval-tasks")
+    _check(args.eval_limit is None or (args.eval_tasks and args.eval_limit >= 1),
+           f"--eval-limit needs --eval-tasks and N >= 1, got {args.eval_limit}")
     if args.data_cache_path is None:
         args.data_cache_path = (os.path.join(args.save, "data_cache") if args.save else
                                 os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(

@@ -338,6 +338,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=4,
                    help="global batches of --valid-data-path per evaluation (as in Megatron-LM)")
+    g.add_argument("--eval-tasks", nargs="+", default=None, metavar="TASK",
+                   help="lm-evaluation-harness tasks (names, or paths of local task YAMLs; "
+                   "xdistill_humaneval) scored on the student at each evaluation: every "
+                   "--eval-interval iterations and at the end (docs/evaluation.md)")
+    g.add_argument("--eval-limit", type=int, default=None,
+                   help="documents per --eval-tasks task at each evaluation (default: all)")
     g.add_argument("--metrics-file", default=None, help="JSON Lines file of logged metrics")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None,
