@@ -226,6 +226,31 @@ def test_no_chunk_rows_and_an_empty_sample(counted, form, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("whole_rows", [True, False])
+def test_gold_ties_at_the_cut(counted, device, whole_rows, monkeypatch):
+    """Eight uncommon student tokens with the same logits at every position, the largest
+    uncommon ones, and five compared: the radix select's cut falls inside the tie. Which tied
+    columns are taken is arbitrary (the reference's topk takes others), so the loss and, per
+    position, the gradient summed over the tied columns equal the reference's; elsewhere each
+    element does."""
+    monkeypatch.setattr(fused_gold, "WHOLE_ROWS", whole_rows)
+    case = _case("gold")
+    common, _ = common_vocab_from_dense(case.projection, "gold")
+    uncommon = torch.ones(case.vs, dtype=torch.bool)
+    uncommon[common] = False
+    tied = torch.nonzero(uncommon, as_tuple=True)[0][:8]
+    case.student_logits[..., tied] = 4.0
+    loss, grad, padded, _ = _loss(case, "gold", "gold", 1.0, False, 0.5, uncommon=5,
+                                  device=device)
+    ref, ref_grad, _ = _reference(case, "gold", 1.0, False, 0.5, uncommon=5)
+    assert loss == pytest.approx(ref, rel=RTOL)
+    rest = torch.ones(case.vs, dtype=torch.bool)
+    rest[tied] = False
+    _close(loss, ref, grad[..., rest], ref_grad[..., rest], "outside the tie")
+    _close(loss, ref, grad[..., tied].sum(-1), ref_grad[..., tied].sum(-1), "over the tie")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["image", "gold"])
 def test_bf16_logits(counted, form, device):
     """bf16 logits: fp32 inside, the gradient stored once in bf16 (within bf16's rounding of
