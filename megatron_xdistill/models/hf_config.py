@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_xdistill.models.moe import MOE_ARCHITECTURES, moe_info_fields
+
 #: HF architecture -> family. Llama covers Llama 2/3.x and SmolLM; Mistral adds a sliding window.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -23,6 +25,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    **MOE_ARCHITECTURES,
 }
 #: HF activation (``hidden_act`` / Gemma's ``hidden_activation``) -> gated MLP activation.
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -87,6 +90,16 @@ class ModelInfo:
     #: Attention softmax scale when not 1 / sqrt(kv_channels) (Gemma: query_pre_attn_scalar).
     softmax_scale: float | None = None
     attention_dropout: float = 0.0
+    #: Mixture of experts (:mod:`.moe`): experts per MoE layer (None = dense model), their FFN
+    #: width, experts per token, per layer 1 = MoE / 0 = dense (None = all MoE), top-k softmax
+    #: before the top-k (no renormalisation), load-balancing loss coefficient, router jitter.
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int | None = None
+    moe_layers: list[int] | None = None
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0
+    moe_input_jitter_eps: float | None = None
     init_method_std: float = 0.02
     hf_dtype: str = "float32"
     make_vocab_size_divisible_by: int = 128
@@ -218,7 +231,7 @@ def _sliding_window(cfg: dict[str, Any], family: str) -> tuple[int | None, list[
         if kinds == {"sliding_attention"}:
             return int(window), None
         return int(window), [int(t == "sliding_attention") for t in layer_types]
-    if family == "mistral" or cfg.get("use_sliding_window"):
+    if family in ("mistral", "mixtral") or cfg.get("use_sliding_window"):
         return (int(window), None) if window else (None, None)
     return None, None
 
@@ -242,7 +255,8 @@ def _check_unsupported(cfg: dict[str, Any], family: str) -> None:
     if family != "qwen2" and cfg.get("attention_bias"):
         raise UnsupportedModelError(
             "attention_bias=True (bias on q/k/v *and* o_proj) is not supported")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+    if family not in MOE_ARCHITECTURES.values() and (
+            cfg.get("num_experts") or cfg.get("num_local_experts")):
         raise UnsupportedModelError("mixture-of-experts models are not supported")
 
 
@@ -286,7 +300,7 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         rotary_base=base,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         add_qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias (and none on o_proj)
-        qk_layernorm=family in ("qwen3", "gemma3"),
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "gemma3"),
         rope_scaling=scaling,
         sliding_window=window,
         window_layers=window_layers,
@@ -300,6 +314,7 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         hf_dtype=str(dtype).replace("torch.", ""),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         hf_config=cfg,
+        **moe_info_fields(cfg, family),
     )
 
 

@@ -61,6 +61,16 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
         rope_parameters={
             "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Qwen3-MoE: 4 experts, top-2 without renormalisation, layer 1 dense (each PP=2 stage has an
+    # MoE and a dense layer), expert FFN narrower than the dense one.
+    "qwen3_moe": TinyFamily("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 151936, "qwen2", dict(
+        tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        router_aux_loss_coef=0.01)),
+    # Mixtral: 4 experts, top-2 renormalised, sliding window.
+    "mixtral": TinyFamily("MixtralConfig", "MixtralForCausalLM", 32000, "mistral", dict(
+        tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, router_aux_loss_coef=0.02)),
 }
 
 
