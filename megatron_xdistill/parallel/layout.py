@@ -76,7 +76,7 @@ def _expert_groups(pgs: ProcessGroupCollection, layout: ParallelLayout, rank_off
     )
     pgs.ep = expert.create_pg("ep")
     pgs.expt_dp = expert.create_pg("dp")
-    pgs.intra_expt_dp = pgs.expt_dp
+    pgs.intra_expt_dp = pgs.expt_dp_gtp_remat = pgs.expt_dp
     pgs.tp_ep = expert.create_pg(["tp", "ep"])
     pgs.tp_ep_pp = expert.create_pg(["tp", "ep", "pp"])
 
@@ -110,6 +110,8 @@ def build_model_parallel_groups(layout: ParallelLayout, rank_offset: int = 0) ->
     pgs.expt_dp = pgs.dp_cp
     pgs.intra_dp_cp = pgs.dp_cp
     pgs.intra_expt_dp = pgs.dp_cp
+    pgs.dp_cp_gtp_remat = pgs.dp_cp  # no GTP weight rematerialisation
+    pgs.expt_dp_gtp_remat = pgs.expt_dp
     if layout.ep > 1:
         _expert_groups(pgs, layout, rank_offset)
     # One distributed-optimizer instance spanning the layout: its grad-norm / zero-count group.

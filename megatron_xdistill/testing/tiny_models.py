@@ -99,15 +99,16 @@ def tiny_config(family: str, **overrides: Any):
 
 
 def make_tiny_model(family: str, out_dir: str, tokenizers_dir: str | None = None,
-                    seed: int = 0) -> str:
+                    seed: int = 0, **overrides: Any) -> str:
     """Save a tiny random HF model of ``family`` (see ``TINY_FAMILIES``) to ``out_dir``.
 
-    ``tokenizers_dir/<tokenizer>`` (the shared assets' tokenizers) is copied in when given.
+    ``tokenizers_dir/<tokenizer>`` (the shared assets' tokenizers) is copied in when given;
+    ``overrides`` change the config (e.g. another ``vocab_size``).
     """
     import transformers
 
     spec = TINY_FAMILIES[family]
-    config = tiny_config(family)
+    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomise(model, seed)
