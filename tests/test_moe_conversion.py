@@ -19,6 +19,7 @@ from conversion.hf_to_mcore import convert_hf_to_mcore
 from conversion.mcore_to_hf import convert_mcore_to_hf
 from conversion.verify import verify_conversion
 from megatron_xdistill.models import model_info_from_hf, transformer_config
+from megatron_xdistill.models.megatron_lm import megatron_lm_cannot_express
 from megatron_xdistill.parallel.shape import ParallelLayout
 from megatron_xdistill.testing.multirank import RankPool
 from megatron_xdistill.testing.tiny_models import make_tiny_model, tiny_config
@@ -61,6 +62,8 @@ def test_published_moe_configs():
     assert (mixtral.num_moe_experts, mixtral.moe_ffn_hidden_size) == (8, 14336)
     assert mixtral.sliding_window is None and not mixtral.moe_router_pre_softmax
     assert mixtral.moe_aux_loss_coeff == 0.02 and not mixtral.qk_layernorm
+    # Megatron-LM's args in our training checkpoints: none rather than a dense description.
+    assert "mixture-of-experts" in megatron_lm_cannot_express(mixtral)
 
 
 def test_qwen3_moe_dense_layers_and_unnormalised_top_k():
