@@ -88,7 +88,7 @@ def test_expert_parallel_size_must_divide_the_experts():
     with pytest.raises(ValueError, match="expert-model-parallel size 4 does not divide"):
         ParallelLayout.for_world(4, tp=2, ep=4)
     layout = ParallelLayout.for_world(8, tp=2, ep=2)
-    assert [layout.coords(r)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [layout.ep_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +105,19 @@ def _assert_same_tensors(original: str, exported: str) -> None:
         assert set(a.keys()) == set(b.keys())
         for name in a.keys():
             assert torch.equal(a.get_tensor(name), b.get_tensor(name)), name
+
+
+def _ep_ranks(tp: int, ep: int) -> tuple[int, int]:
+    from conversion.launch import layout_groups
+
+    groups = layout_groups(tp, ep=ep)
+    return groups.ep_rank, groups.pg_collection.ep.rank()
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 2), (1, 4), (1, 2)])
+def test_layout_ep_rank_is_the_expert_groups_rank(pool, tp, ep):
+    for ours, megatrons in pool.run(_ep_ranks, tp, ep):
+        assert ours == megatrons
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

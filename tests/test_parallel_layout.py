@@ -174,7 +174,7 @@ def test_for_world_names_the_bad_layout():
     layout = ParallelLayout.for_world(8, tp=2, pp=2)
     assert layout.dp == 2
     assert [layout.coords(r)["tp"] for r in range(4)] == [0, 1, 0, 1]
-    assert layout.coords(7) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1, "ep": 0}
+    assert layout.coords(7) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}
 
 
 @pytest.mark.parametrize("student,teacher", [((2, 1, 1), (1, 1, 2)), ((1, 2, 1), (2, 1, 2))])

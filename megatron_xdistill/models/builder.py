@@ -241,7 +241,7 @@ def build_model_for_layout(
 
     layout = groups.layout
     model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"],
-                                    ep_rank=groups.coords.get("ep", 0),
+                                    ep_rank=groups.ep_rank,
                                     etp_rank=groups.coords["tp"], force_reset_rng=True)
     config = transformer_config(info, layout.tp, layout.pp, layout.cp, dtype,
                                 ep=getattr(layout, "ep", 1), **config_overrides)

@@ -46,6 +46,11 @@ class ModelParallelGroups:
         return slice_for_cp_rank(full, 1, self.coords["cp"], self.layout.cp)
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (0 without expert parallelism)."""
+        return self.layout.ep_rank(dist.get_rank() - self.rank_offset)
+
+    @property
     def is_first_stage(self) -> bool:
         return self.coords["pp"] == 0
 

@@ -52,11 +52,14 @@ class ParallelLayout:
         return parts * self.tp if sequence_parallel else parts
 
     def coords(self, rank: int) -> dict[str, int]:
-        """(tp, cp, dp, pp) coordinates of a rank within this layout (rank relative to offset),
-        and ``ep``, its expert-parallel rank (Megatron's expert order: TP, EP, expert DP, PP)."""
+        """(tp, cp, dp, pp) coordinates of a rank within this layout (rank relative to offset)."""
         tp = rank % self.tp
         cp = (rank // self.tp) % self.cp
         dp = (rank // (self.tp * self.cp)) % self.dp
         pp = rank // (self.tp * self.cp * self.dp)
-        ep = (rank // self.tp) % self.ep
-        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp, "ep": ep}
+        return {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+
+    def ep_rank(self, rank: int) -> int:
+        """Expert-parallel rank of a rank within this layout (Megatron's expert order: TP, EP,
+        expert DP, PP; EP spans consecutive CP x DP positions)."""
+        return (rank // self.tp) % self.ep
