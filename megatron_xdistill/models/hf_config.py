@@ -92,14 +92,13 @@ class ModelInfo:
     attention_dropout: float = 0.0
     #: Mixture of experts (:mod:`.moe`): experts per MoE layer (None = dense model), their FFN
     #: width, experts per token, per layer 1 = MoE / 0 = dense (None = all MoE), top-k softmax
-    #: before the top-k (no renormalisation), load-balancing loss coefficient, router jitter.
+    #: before the top-k (no renormalisation), load-balancing loss coefficient.
     num_moe_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_router_topk: int | None = None
     moe_layers: list[int] | None = None
     moe_router_pre_softmax: bool = False
     moe_aux_loss_coeff: float = 0.0
-    moe_input_jitter_eps: float | None = None
     init_method_std: float = 0.02
     hf_dtype: str = "float32"
     make_vocab_size_divisible_by: int = 128

@@ -15,7 +15,10 @@ What makes the Megatron layer compute HF's function:
 - no token is ever dropped (no capacity factor: dropless), no shared experts;
 - the load-balancing loss is Switch's ``aux_loss`` with HF's ``router_aux_loss_coef`` (it only
   acts in training; a teacher never pays it);
-- the token dispatcher is ``alltoall`` (works with gloo on CPU and NCCL on GPUs).
+- the token dispatcher is ``alltoall`` (works with gloo on CPU and NCCL on GPUs);
+- Mixtral's ``router_jitter_noise`` is not applied: HF multiplies the whole MoE input by noise
+  in training only, Megatron's ``moe_input_jitter_eps`` the router's input also in evaluation
+  (a teacher's forward would change from run to run).
 """
 
 from __future__ import annotations
@@ -73,7 +76,6 @@ def moe_info_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         moe_layers=pattern,
         moe_router_pre_softmax=not normalize,
         moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.0) or 0.0),
-        moe_input_jitter_eps=float(cfg.get("router_jitter_noise", 0.0) or 0.0) or None,
     )
 
 
@@ -98,7 +100,7 @@ def moe_config_kwargs(info: Any, ep: int = 1) -> dict[str, Any]:
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=info.moe_aux_loss_coeff,
-        moe_input_jitter_eps=info.moe_input_jitter_eps,
+        moe_input_jitter_eps=None,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type="alltoall",
         moe_expert_capacity_factor=None,
