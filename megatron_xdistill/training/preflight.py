@@ -149,7 +149,9 @@ def check_models(args: argparse.Namespace) -> None:
         tp = getattr(view, f"{side}tensor_model_parallel_size")
         pp = getattr(view, f"{side}pipeline_model_parallel_size")
         several = not prefix.startswith("--")
+        ep = getattr(view, f"{side}expert_model_parallel_size", 1)
         for what, total, size, flag in (
+                ("experts", info.num_moe_experts or 1, ep, "expert-model-parallel-size"),
                 ("attention heads", info.num_attention_heads, tp, "tensor-model-parallel-size"),
                 ("query groups (KV heads)", info.num_query_groups, tp,
                  "tensor-model-parallel-size"),

@@ -171,6 +171,7 @@ class IterationLog:
         for key in sorted(k for k in record if k.startswith("kd/")):
             add(f"kd loss ({key[3:]})", key, ".6E")
         add("top-1 agreement", "top1_agree", ".4f")
+        add("load_balancing_loss", "load_balancing_loss", ".6E")
         add("loss scale", "loss_scale", ".1f")
         add("grad norm", "grad_norm", ".3f")
         add("number of skipped iterations", "skipped", "d")

@@ -31,6 +31,9 @@ def _parallel(parser: argparse.ArgumentParser, prefix: str, who: str) -> None:
                        help=f"{who}: pipeline parallel size (PP)")
     group.add_argument(f"--{prefix}context-parallel-size", type=int, default=1,
                        help=f"{who}: context parallel size (CP); DP is what remains")
+    group.add_argument(f"--{prefix}expert-model-parallel-size", type=int, default=1,
+                       help=f"{who}: expert parallel size (EP, mixture-of-experts models): the "
+                       f"experts are spread over EP of each stage's CP x DP ranks")
     group.add_argument(f"--{prefix}sequence-parallel", action="store_true",
                        help=f"{who}: sequence parallelism (norms, dropout and residuals on 1/TP "
                        f"of the sequence; needs TP > 1)")
