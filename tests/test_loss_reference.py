@@ -150,6 +150,21 @@ def test_reference_equals_per_chunk_loop(kw):
     assert float(got) == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("mode,exact_only", [("pkl", False), ("gold", True)])
+def test_a_batch_without_counted_chunks_has_loss_zero(mode, exact_only):
+    """No chunk counts (none valid, or none exact with ``exact_only``): the loss is 0, not the
+    0 / 0 of an average over no chunks, and no chunk is reported counted."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    valid = case.chunk_valid if exact_only else torch.zeros_like(case.chunk_valid)
+    exact = torch.zeros_like(case.chunk_exact)
+    details = reference.kd_loss_details(
+        case.real_student_logits.double(), case.real_teacher_logits.double(),
+        case.student_chunk_id, case.teacher_chunk_id, valid, exact, case.projection.double(),
+        mode, 1.0, False, exact_only)
+    assert not details.counted.any() and not details.top1.any()
+    assert float(details.loss) == 0.0
+
+
 # (mode, form, topk, temperature, reverse, with_ce)
 GRADCHECK = [
     ("pkl", "full", None, 1.0, False, True),
