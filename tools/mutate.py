@@ -13,10 +13,10 @@ written over the file itself (the original kept aside and put back after each mu
 next start if a run was killed), and the tests run in a child forked from a process that has
 already imported torch, Numba and Megatron-Core, so a mutant costs its tests, not ~10 s of imports.
 
-Stale code: every mutant gets its own modification time (Python's bytecode and Numba's cache are
-both keyed on it), bytecode is neither read from nor written to the tree (``PYTHONPYCACHEPREFIX``)
-and Numba caches into a directory of this run only, so a mutated ``@njit`` function is compiled
-from the mutated source.
+Stale code: every mutant gets a modification time of its own (Python's bytecode and Numba's cache
+are both keyed on it and the size), bytecode is neither read from nor written to the tree
+(``PYTHONPYCACHEPREFIX``) and Numba caches outside it, so a mutated ``@njit`` function is compiled
+from the mutated source (and the original's cached code is used again once it is put back).
 
 Resumable: one JSON line per mutant is appended to ``mutants.jsonl``; a rerun skips mutants already
 recorded for the same source (``--retry-survivors`` runs the survivors again, after adding tests).
@@ -66,6 +66,11 @@ TARGETS = [
         f"{_LOSS_REF}::test_compressed_form_is_a_bound_that_tightens_with_k",
         f"{_LOSS_REF}::test_sample_weights_scale_each_samples_chunks",
         f"{_LOSS_REF}::test_a_batch_without_counted_chunks_has_loss_zero",
+        f"{_LOSS_REF}::test_sparse_projection_gives_the_dense_loss_and_gradient",
+        f"{_LOSS_REF}::test_reference_refuses_an_unknown_mode_and_a_headed_reverse_kl",
+        f"{_LOSS_REF}::test_chunks_without_a_predicting_position_on_one_side_do_not_count",
+        f"{_LOSS_REF}::test_first_token_heads_form_equals_its_loop",
+        f"{_LOSS_REF}::test_top1_agreement_equals_the_loop",
         "tests/test_chunk_starts.py::test_merged_payload_holds_the_top_k_mass_on_the_heads",
     )),
     Target("formulas", f"{PKG}/loss/definitions/formulas.py", None, (
@@ -394,7 +399,6 @@ class Workspace:
         self.original = path.read_bytes()
         st = path.stat()
         self.times = (st.st_atime_ns, st.st_mtime_ns)
-        self.serial = 0
 
     def restore_pending(self) -> None:
         """Put back an original left by a run that was killed while a mutant was written."""
@@ -406,10 +410,11 @@ class Workspace:
     def write(self, data: bytes) -> None:
         self.pending.write_bytes(self.original)
         self.path.write_bytes(data)
-        self.serial += 1
-        # A modification time no other version of this file had in this run (bytecode and
-        # Numba's cache index are keyed on it): an hour ahead plus the mutant's serial.
-        mtime = self.times[1] + (3600 + self.serial) * 1_000_000_000
+        # A modification time of this mutant's own (Python's bytecode and Numba's cache index
+        # are keyed on it with the size): ahead of the original by an hour plus a hash of the
+        # mutated text, so the Numba cache can be kept from run to run.
+        ahead = 3600 + int(hashlib.sha256(data).hexdigest()[:7], 16)
+        mtime = self.times[1] + ahead * 1_000_000_000
         os.utime(self.path, ns=(mtime, mtime))
 
     def restore(self) -> None:
@@ -517,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(targets: list[Target], records_path: Path, args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="mutate-"))
-    os.environ["NUMBA_CACHE_DIR"] = str(work / "numba")
+    # Numba's cache outside the tree, kept between runs (see Workspace.write).
+    os.environ["NUMBA_CACHE_DIR"] = str(Path(tempfile.gettempdir()) / "mutate-numba-cache")
     os.environ["PYTHONPYCACHEPREFIX"] = str(work / "pyc")
     os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
