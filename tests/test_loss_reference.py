@@ -191,8 +191,12 @@ def test_reference_refuses_an_unknown_mode_and_a_headed_reverse_kl():
     case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
     args = (case.real_student_logits, case.real_teacher_logits, case.student_chunk_id,
             case.teacher_chunk_id, case.chunk_valid, case.chunk_exact, case.projection)
-    with pytest.raises(ValueError, match="'pkI'"):
+    with pytest.raises(ValueError, match="loss mode must be one of .* got 'pkI'"):
         reference.kd_loss(*args, "pkI")
+    # the defaults: forward P-KL at temperature 1 over every valid chunk
+    torch.testing.assert_close(reference.kd_loss(*args),
+                               reference.kd_loss(*args, "pkl", 1.0, False, False), rtol=0, atol=0)
+    assert reference.kd_loss(*args) != reference.kd_loss(*args, "pkl", 1.0, False, True)
     heads = torch.arange(case.projection.shape[1])
     reference.kd_loss_details(*args, "pkl", chunk_topk=3, teacher_heads=heads)
     with pytest.raises(ValueError, match="forward KL only"):
@@ -263,6 +267,20 @@ def test_first_token_heads_form_equals_its_loop(temp):
     loss, top1 = _headed_loop(case, 5, heads, temp)
     assert float(details.loss) == pytest.approx(loss, rel=1e-6)
     assert details.top1.tolist() == top1.tolist() and 0 < top1.sum() < details.counted.sum()
+
+
+def test_first_token_heads_of_every_column_onto_itself_is_the_exact_form():
+    """Every teacher column its own head and all of them in the top k: the headed form is the
+    exact forward P-KL (its tail is empty, and so is the student's mass off the heads)."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    vt = case.projection.shape[1]
+    args = (case.real_student_logits.double(), case.real_teacher_logits.double(),
+            case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
+            case.projection.double(), "pkl", 1.5)
+    headed = reference.kd_loss_details(*args, chunk_topk=vt, teacher_heads=torch.arange(vt))
+    exact = reference.kd_loss_details(*args)
+    torch.testing.assert_close(headed.per_chunk, exact.per_chunk, rtol=1e-9, atol=1e-12)
+    assert headed.top1.tolist() == exact.top1.tolist()
 
 
 @pytest.mark.parametrize("mode", ["pkl", "gold"])

@@ -61,16 +61,18 @@ class Target:
 
 _LOSS_REF = "tests/test_loss_reference.py"
 TARGETS = [
+    # Fast tests that kill many mutants first: under -x a killed mutant stops at its first failure.
     Target("reference", f"{PKG}/loss/definitions/reference.py", None, (
         f"{_LOSS_REF}::test_reference_equals_per_chunk_loop",
-        f"{_LOSS_REF}::test_compressed_form_is_a_bound_that_tightens_with_k",
-        f"{_LOSS_REF}::test_sample_weights_scale_each_samples_chunks",
         f"{_LOSS_REF}::test_a_batch_without_counted_chunks_has_loss_zero",
-        f"{_LOSS_REF}::test_sparse_projection_gives_the_dense_loss_and_gradient",
-        f"{_LOSS_REF}::test_reference_refuses_an_unknown_mode_and_a_headed_reverse_kl",
         f"{_LOSS_REF}::test_chunks_without_a_predicting_position_on_one_side_do_not_count",
         f"{_LOSS_REF}::test_first_token_heads_form_equals_its_loop",
+        f"{_LOSS_REF}::test_first_token_heads_of_every_column_onto_itself_is_the_exact_form",
         f"{_LOSS_REF}::test_top1_agreement_equals_the_loop",
+        f"{_LOSS_REF}::test_reference_refuses_an_unknown_mode_and_a_headed_reverse_kl",
+        f"{_LOSS_REF}::test_sparse_projection_gives_the_dense_loss_and_gradient",
+        f"{_LOSS_REF}::test_compressed_form_is_a_bound_that_tightens_with_k",
+        f"{_LOSS_REF}::test_sample_weights_scale_each_samples_chunks",
         "tests/test_chunk_starts.py::test_merged_payload_holds_the_top_k_mass_on_the_heads",
     )),
     Target("formulas", f"{PKG}/loss/definitions/formulas.py", None, (
