@@ -76,12 +76,12 @@ TARGETS = [
         "tests/test_chunk_starts.py::test_merged_payload_holds_the_top_k_mass_on_the_heads",
     )),
     Target("formulas", f"{PKG}/loss/definitions/formulas.py", None, (
+        "tests/test_loss_formulas.py",
         f"{_LOSS_REF}::test_reference_equals_per_chunk_loop",
         f"{_LOSS_REF}::test_compressed_form_is_a_bound_that_tightens_with_k",
         f"{_LOSS_REF}::test_tail_row_sums_match_dense_products",
         f"{_LOSS_REF}::test_exact_form_teacher_terms_do_not_depend_on_the_slice",
         f"{_LOSS_REF}::test_sample_weights_scale_each_samples_chunks",
-        "tests/test_loss_forward_grad.py",
     )),
     Target("chunk_starts", f"{PKG}/loss/definitions/chunk_starts.py", None, (
         "tests/test_chunk_starts.py",
