@@ -87,10 +87,10 @@ TARGETS = [
         "tests/test_chunk_starts.py",
     )),
     Target("chunk_rows", f"{PKG}/loss/blocks/chunk_rows.py", None, (
+        "tests/test_chunk_rows.py",
         "tests/test_loss_kernels.py::test_blocks_end_where_chunks_end_and_hold_their_rows_whole",
         "tests/test_loss_kernels.py::test_each_blocks_rows_held_whole_or_split_are_found_once",
-        "tests/test_chunk_rows.py",
-        "tests/test_loss_forward_grad.py",
+        "tests/test_device_placement.py::test_chunk_rows_move_every_tensor",
     ), sample=40),
     Target("align_chunks", f"{PKG}/align/chunks.py", None, (
         "tests/test_align_finest.py",
