@@ -449,7 +449,8 @@ def summarize(targets: list[Target], records: dict, equivalent: dict[str, str]) 
     non-equivalent mutants; and the survivors."""
     rows = []
     for t in targets:
-        source = (ROOT / t.path).read_bytes()
+        pending = RESULTS / ".pending" / Path(t.path).name  # a run has a mutant written now
+        source = (pending if pending.exists() else ROOT / t.path).read_bytes()
         sha = hashlib.sha256(source).hexdigest()[:16]
         mutants = mutants_of(source.decode(), t.functions)
         got = [records.get((sha, m.key)) for m in selected(t, mutants)]
