@@ -139,10 +139,13 @@ def test_finalize_marks_opaque_and_cut_characters_inexact():
     or starts inside a character is inexact and merges with its inexact neighbour, and the
     merged chunk, whole characters equal on both sides, is exact again; a side with no tokens is
     never exact and sits at the next kept token."""
-    s = side([b"ab", OPAQUE, b"cd"])
-    t = side([b"ab", b"cd"])
-    spans = np.array([[0, 1, 0, 1], [1, 3, 1, 2]])
-    np.testing.assert_array_equal(finalize(spans, s, t), [[0, 1, 0, 1, 1], [1, 3, 1, 2, 0]])
+    s = side([b"ab", OPAQUE, b"cd", b"ef"])
+    t = side([b"ab", b"cd", b"ef"])
+    spans = np.array([[0, 1, 0, 1], [1, 3, 1, 2], [3, 4, 2, 3]])
+    want = [[0, 1, 0, 1, 1], [1, 3, 1, 2, 0], [3, 4, 2, 3, 1]]  # after it: exact again
+    np.testing.assert_array_equal(finalize(spans, s, t), want)
+    np.testing.assert_array_equal(finalize(spans[:, [2, 3, 0, 1]], t, s),
+                                  np.array(want)[:, [2, 3, 0, 1, 4]])  # on the teacher side
     e = "é".encode()
     s = side([b"x", e[:1], e[1:] + b"y", b"z"])
     t = side([b"x", e[:1], e[1:] + b"y", b"z"])
