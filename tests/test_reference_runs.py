@@ -83,7 +83,7 @@ def two_teachers_argv(root: Path, s_tok: Path, t_tok: Path, name: str, teacher_t
     """The two-teacher example with the tiny models; ``teacher_tp`` None keeps each teacher's
     size from the example's teachers file."""
     config = yaml.safe_load(TWO_TEACHERS.read_text())
-    teachers_file = REPO / config["teachers_config"]  # as written: relative to the repository
+    teachers_file = TWO_TEACHERS.parent / config["teachers_config"]  # read beside the file
     assert teachers_file == EXAMPLES / "two_teachers.yaml"
     data = yaml.safe_load(teachers_file.read_text())
     phi, llama = data["teachers"]
@@ -136,6 +136,18 @@ def check_run(root: Path, name: str, reference: str) -> None:
     assert tracker.read_text().strip() == str(STEPS), os.listdir(root / name)
 
 
+def test_two_teachers_config_finds_its_teachers_file_from_anywhere(tmp_path, monkeypatch):
+    """As written, run from another directory, the example reads its teachers file (beside it)
+    and stops at the first path left for the user, naming the teacher and the key."""
+    from megatron_xdistill.training.arguments.checks import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", str(TWO_TEACHERS)], 16)
+    assert str(err.value) == \
+        "teacher 'phi4mini': load: no such directory: /path/to/phi-4-mini-instruct-mcore"
+
+
 def _single_rank(argv: list[str]) -> None:
     with RankPool(1) as pool:
         pool.run(_run_main, argv)
@@ -159,3 +171,45 @@ def test_qwen3_config_at_four_ranks_matches_single_rank(models, e2e_pool):
     e2e_pool.run(_run_main, qwen3_argv(root, s_tok, t_tok, "qwen_tp2cp2",
                                        {"tensor_model_parallel_size": 2}))
     check_run(root, "qwen_tp2cp2", "qwen_ref")
+
+
+#: 8 ranks on a 2-core machine: generous start-up and collective limits (a hang still ends).
+EIGHT = {"start_timeout_s": 900.0, "collective_timeout_s": 900.0}
+EIGHT_RUN_S = 1800.0
+
+
+@pytest.fixture(scope="module")
+def student_kv4(models):
+    """A tiny Llama student whose 4 query groups split over TP4 (Llama-3.2-1B: 32 heads, 8
+    groups), with the student tokenizer's vocabulary."""
+    root = models[0]
+    if not (root / "student_kv4").exists():
+        make_tiny_model("llama3", str(root / "student_kv4_hf"), seed=5, vocab_size=STUDENT_VOCAB,
+                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True)
+        with RankPool(1) as pool:
+            pool.run(_convert, str(root / "student_kv4_hf"), str(root / "student_kv4"))
+    return "student_kv4"
+
+
+@pytest.mark.slow  # 8 ranks
+def test_two_teachers_config_full_layout_at_eight_ranks(models):
+    """The file's layout at 8 ranks: student DP8, each teacher TP2 (DP4)."""
+    root, s_tok, t_tok = models
+    _single_rank(two_teachers_argv(root, s_tok, t_tok, "two_ref8", teacher_tp=1))
+    with RankPool(8, **EIGHT) as pool:
+        pool.run(_run_main, two_teachers_argv(root, s_tok, t_tok, "two_8", teacher_tp=None),
+                 timeout=EIGHT_RUN_S)
+    check_run(root, "two_8", "two_ref8")
+
+
+@pytest.mark.slow  # 8 ranks
+def test_qwen3_config_full_layout_at_eight_ranks(models, student_kv4):
+    """The file's layout at 8 ranks: teacher TP2 x CP2 (DP2), student TP4 x CP2."""
+    root, s_tok, t_tok = models
+    single = {"tensor_model_parallel_size": 1, "context_parallel_size": 1,
+              "teacher.tensor_model_parallel_size": 1, "teacher.context_parallel_size": 1}
+    _single_rank(qwen3_argv(root, s_tok, t_tok, "qwen_ref8", single, student=student_kv4))
+    with RankPool(8, **EIGHT) as pool:
+        pool.run(_run_main, qwen3_argv(root, s_tok, t_tok, "qwen_8", {}, student=student_kv4),
+                 timeout=EIGHT_RUN_S)
+    check_run(root, "qwen_8", "qwen_ref8")
