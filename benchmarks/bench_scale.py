@@ -73,23 +73,124 @@ def _commit() -> str:
                           text=True).stdout.strip()
 
 
-def table(rows: list[dict]) -> str:
-    """Per form, placement and teachers: the largest world where construction < 10 s and the
-    transfer hides under compute (and the transfer's share there)."""
-    lines = ["| payload | placement | teachers | student | largest world | transfer / period |",
-             "|---|---|---|---|---|---|"]
-    keys = sorted({(r["scenario"]["form"], r["placement"], r["teachers"], r["student"])
-                   for r in rows if "scenario" in r})
-    for form, placement, teachers, student in keys:
-        ok = [r for r in rows if "scenario" in r and r["scenario"]["form"] == form
-              and r["placement"] == placement and r["teachers"] == teachers
-              and r["student"] == student]
-        good = [r for r in ok if r["hides"] and r["constructs_under_10s"]]
-        best = max(good, key=lambda r: r["gpus"]) if good else None
-        share = (f"{best['transfer_s']:.3g} s / {best['period_s']:.3g} s" if best else
-                 f"{min(ok, key=lambda r: r['gpus'])['transfer_s']:.3g} s at the smallest")
-        lines.append(f"| {form} | {placement} | {teachers} | {student} | "
-                     f"{best['gpus'] if best else 'none'} | {share} |")
+#: the docs' names of the pivot tables' rows and columns
+FORM_ORDER = ("full", "image", "gold", "topk", "chunk_topk")
+STUDENT_LABEL = {"llama-3.2-1b": "L3.2-1b", "llama-3.1-8b": "L3.1-8b"}
+TEACHER_LABEL = {"qwen3-8b": "Q8b", "qwen3-32b": "Q32b", "qwen3-8b+qwen3-32b": "Q8b+Q32b"}
+PLACEMENT_LABEL = {"colocated": "coloc.", "disaggregated": "disag."}
+
+
+def load(folder: Path | str) -> list[dict]:
+    """Every ``scale_<gpus>.json`` of ``folder``, smallest world first."""
+    paths = sorted(Path(folder).glob("scale_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    if not paths:
+        raise FileNotFoundError(f"no scale_<gpus>.json in {folder}: run benchmarks/bench_scale.py")
+    return [{**json.loads(p.read_text()), "path": p} for p in paths]
+
+
+def column(row: dict) -> str:
+    """A pivot column's field name: placement and teachers, e.g. ``colocated/qwen3-8b``."""
+    return f"{row['placement']}/{row['teachers']}"
+
+
+def columns() -> list[list[str]]:
+    """``[field, header]`` of every placement x teachers column, as the docs' tables show them."""
+    return [[f"{p}/{t}", f"{PLACEMENT_LABEL[p]} {TEACHER_LABEL[t]}"]
+            for p in PLACEMENT_LABEL for t in TEACHER_LABEL]
+
+
+def largest_world(records: list[dict]) -> list[dict]:
+    """One row per payload form and student: per placement x teachers, the largest world where
+    construction stays under 10 s and the transfer hides under compute ('none': at no world;
+    then the transfer against the step period at the smallest world)."""
+    done = [r for record in records for r in record["rows"] if "scenario" in r]
+    out = []
+    for form in FORM_ORDER:
+        for student, label in STUDENT_LABEL.items():
+            cells = {"form": form, "student": label}
+            for name in (c for c, _ in columns()):
+                ok = [r for r in done if r["scenario"]["form"] == form
+                      and r["student"] == student and column(r) == name]
+                if not ok:
+                    cells[name] = "n/a"
+                    continue
+                good = [r["gpus"] for r in ok if r["hides"] and r["constructs_under_10s"]]
+                first = min(ok, key=lambda r: r["gpus"])
+                if not good:
+                    cells[name] = (f"none ({first['transfer_s']:.2g} s vs "
+                                   f"{first['period_s']:.2g} s)")
+                    continue
+                below = sorted(r["gpus"] for r in ok if r["gpus"] < max(good)
+                               and not (r["hides"] and r["constructs_under_10s"]))
+                cells[name] = str(max(good)) + (
+                    f" (fails at {', '.join(map(str, below))})" if below else "")
+            out.append(cells)
+    return out
+
+
+def _per_world(records: list[dict], cell, student: str, form: str) -> list[dict]:
+    """One row per world (file): ``cell(row)`` in each placement x teachers column of
+    ``student``'s ``form`` rows, 'n/a' where the world does not fit the layouts; ``ranks`` says
+    which ranks the run constructed (``--light``: rank 0 only)."""
+    out = []
+    for record in records:
+        line = {"gpus": record["rows"][0]["gpus"],
+                "ranks": "rank 0" if "--light" in record["command"] else
+                "rank 0, first sender"}
+        line.update({name: "n/a" for name, _ in columns()})
+        for r in record["rows"]:
+            if "scenario" in r and r["student"] == student and r["scenario"]["form"] == form:
+                line[column(r)] = cell(r)
+        out.append(line)
+    return out
+
+
+def construction(records: list[dict], student: str = "llama-3.2-1b",
+                 form: str = "chunk_topk") -> list[dict]:
+    """One row per world: each column's construction time on one rank (the worst of the ranks
+    constructed) and its modelled part (store requests, collectives, connects: the rest is
+    measured Python time), the groups it enters and the world's store requests."""
+    def cell(r: dict) -> str:
+        worst = max(r["construction"], key=lambda c: c["construction_s"])
+        return (f"{worst['construction_s']:.2f} s ({worst['modelled_s']:.2f} s modelled; "
+                f"{worst['groups_entered']} groups, {worst['world_store_ops']} store req.)")
+    return _per_world(records, cell, student, form)
+
+
+def busiest_link(records: list[dict], student: str = "llama-3.2-1b",
+                 form: str = "chunk_topk") -> list[dict]:
+    """One row per world: each column's busiest GPU NIC over the mean and the GPUs that send."""
+    def cell(r: dict) -> str:
+        return f"{r['traffic']['busiest_over_mean']}x, {r['traffic']['gpus_sending']} send"
+    return _per_world(records, cell, student, form)
+
+
+def runs(records: list[dict]) -> list[dict]:
+    """One row per result file: the world, its nodes, the ranks constructed and the command."""
+    rows = []
+    for record in records:
+        first = record["rows"][0]
+        nodes = first["gpus"] // first["scenario"]["gpus_per_node"] if "scenario" in first else None
+        rows.append({"gpus": first["gpus"], "nodes": nodes,
+                     "ranks": "rank 0" if "--light" in record["command"] else
+                     "rank 0, first sender",
+                     "scenarios": len({(r["student"], r["teachers"], r["placement"])
+                                       for r in record["rows"] if "scenario" in r}),
+                     "command": f"`{record['command'].strip()}`"})
+    return rows
+
+
+#: the docs' tables of the result files (tools/docs_tables.py, source "scale")
+TABLES = {"runs": runs, "largest_world": largest_world, "construction": construction,
+          "busiest_link": busiest_link}
+
+
+def table(records: list[dict]) -> str:
+    """The largest-world table of ``records`` (result files' contents) as Markdown."""
+    head = [["form", "payload"], ["student", "student"], *columns()]
+    lines = ["| " + " | ".join(h for _, h in head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r.get(k, "n/a") for k, _ in head) + " |"
+              for r in largest_world(records)]
     return "\n".join(lines)
 
 
@@ -110,12 +211,11 @@ def main() -> None:
                        f"{platform.python_version()})",
             "commit": _commit(), "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/bench_scale.py " + " ".join(sys.argv[1:])}
-    rows = []
+    records = []
     for gpus in args.gpus:
-        found = run(gpus, args.light)
-        rows += found
-        (out / f"scale_{gpus}.json").write_text(json.dumps({**meta, "rows": found}, indent=1))
-    print(table(rows))
+        records.append({**meta, "rows": run(gpus, args.light)})
+        (out / f"scale_{gpus}.json").write_text(json.dumps(records[-1], indent=1))
+    print(table(records))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ where its numbers come from and which columns it shows:
 ``file`` is a result file of ``benchmarks/results.py`` (its ``rows``), or one of the studies'
 results, read through ``"source"``: ``"study"`` (examples/cross_tokenizer_distillation's
 ``results/*.json``: one row per distilled variant and held-out set against its CE-only
-baseline, through the study's own report code) or ``"onpolicy"``
-(examples/on_policy_distillation's ``results.json``: one row per scored model). ``where``
+baseline, through the study's own report code), ``"onpolicy"``
+(examples/on_policy_distillation's ``results.json``: one row per scored model) or ``"scale"``
+(``file`` is a folder: every ``scale_<gpus>.json`` in it, pivoted by
+``benchmarks/bench_scale.py``'s table ``"table"``, one of its ``TABLES``). ``where``
 keeps the rows whose fields equal the given values (a list: any of them, in that order);
 ``columns`` are ``[field, header]`` or ``[field, header, format spec]``. Under each table a
 line names the file, the machine and the date.
@@ -41,12 +43,30 @@ PAGES = ["README.md", "docs/*.md", "examples/*/REPORT.md"]
 MARKER = re.compile(r"(<!-- results-table (\{.*?\}) -->\n)(.*?)(<!-- /results-table -->)", re.S)
 
 
-def _study_report():
-    path = REPO / "examples" / "cross_tokenizer_distillation" / "study_report.py"
-    spec = importlib.util.spec_from_file_location("xdistill_study_report", path)
+def _module(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _study_report():
+    return _module("xdistill_study_report",
+                   REPO / "examples" / "cross_tokenizer_distillation" / "study_report.py")
+
+
+def _bench_scale():
+    return _module("xdistill_bench_scale", REPO / "benchmarks" / "bench_scale.py")
+
+
+def scale_rows(folder: Path, table: str) -> tuple[list[dict[str, Any]], list[dict]]:
+    """The rows of bench_scale's pivot ``table`` over every ``scale_<gpus>.json`` in
+    ``folder``, and the files' records."""
+    bench = _bench_scale()
+    if table not in bench.TABLES:
+        raise ValueError(f"unknown scale table {table!r}: one of {sorted(bench.TABLES)}")
+    records = bench.load(folder)
+    return bench.TABLES[table](records), records
 
 
 def _pm(values: list[float], sign: bool = False) -> str:
@@ -100,16 +120,20 @@ def onpolicy_rows(results: dict) -> list[dict[str, Any]]:
 
 
 def _rows(spec: dict) -> tuple[list[dict], dict]:
-    record = json.loads((REPO / spec["file"]).read_text())
     source = spec.get("source", "bench")
+    if source == "scale":
+        rows, records = scale_rows(REPO / spec["file"], spec.get("table", ""))
+        record = {"scale": records}
+    else:
+        record = json.loads((REPO / spec["file"]).read_text())
     if source == "bench":
         rows = record["rows"]
     elif source == "study":
         rows = study_rows(record)
     elif source == "onpolicy":
         rows = onpolicy_rows(record)
-    else:
-        raise ValueError(f"unknown source {source!r} (bench, study or onpolicy)")
+    elif source != "scale":
+        raise ValueError(f"unknown source {source!r} (bench, study, onpolicy or scale)")
     for key, want in spec.get("where", {}).items():
         if isinstance(want, list):
             rows = [r for w in want for r in rows if r.get(key) == w]
@@ -133,6 +157,13 @@ def _cell(value: Any, fmt: str | None) -> str:
 def _source_line(spec: dict, record: dict, page: Path) -> str:
     link = os.path.relpath(REPO / spec["file"], page.parent)
     source = spec.get("source", "bench")
+    if source == "scale":  # one file per world, each with its machine and date
+        records = record["scale"]
+        worlds = [r["rows"][0]["gpus"] for r in records]
+        machines = ", ".join(dict.fromkeys(r["machine"] for r in records))
+        dates = ", ".join(dict.fromkeys(r["date"] for r in records))
+        return (f"<sub>Source: [`{spec['file']}/scale_*.json`]({link}) ({len(records)} files, "
+                f"{worlds[0]} to {worlds[-1]} GPUs); {machines}; {dates}.</sub>\n")
     machine = record.get("machine", {})
     if source == "bench":
         where = ", ".join(machine.get("gpus") or []) or (
@@ -161,9 +192,10 @@ def pages() -> list[Path]:
     return sorted({p for pattern in PAGES for p in REPO.glob(pattern)})
 
 
-def process(page: Path, write: bool) -> list[str]:
-    """Regenerate ``page``'s tables; the names of those that differed."""
-    text = page.read_text()
+def process(page: Path, write: bool, text: str | None = None) -> list[str]:
+    """Regenerate ``page``'s tables (from ``text`` in place of the page's own, if given); the
+    names of those that differed."""
+    text = page.read_text() if text is None else text
     stale = []
 
     def one(match: re.Match) -> str:
@@ -171,7 +203,8 @@ def process(page: Path, write: bool) -> list[str]:
         body = render(spec, page)
         if body != match.group(3):
             name = page.relative_to(REPO) if page.is_relative_to(REPO) else page
-            stale.append(f"{name}: the table from {spec['file']}")
+            table = f" ({spec['table']})" if "table" in spec else ""
+            stale.append(f"{name}: the table from {spec['file']}{table}")
         return match.group(1) + body + match.group(4)
 
     new = MARKER.sub(one, text)
