@@ -15,6 +15,12 @@ Forms (``PayloadSpec.form``):
                 teacher tokens) + ``tail_logprob`` [B, C] (log of the rest's summed mass).
 ``gold``        ``logprobs`` [B, C, M] at the common teacher ids (in the order of the common
                 pairs) + ``uncommon_probs`` [B, C, L], the uncommon probs sorted descending.
+``gold_topk``   compact gold (docs/losses.md, "Compact gold"): ``logprobs`` [B, C, k] of the
+                teacher's k most probable common pairs, descending, at ``columns`` [B, C, k]
+                (indices into the common pairs) + ``tail_logprob`` [B, C] (log of its mass on
+                the other pairs; unused when k = M) + ``uncommon_probs`` [B, C, k'] (its k'
+                largest uncommon probabilities, descending) + ``uncommon_tail`` [B, C] (the sum
+                of its ranks k'..n-1; n = ``PayloadSpec.span``).
 ``image``       the exact form's payload on W's image I only: ``probs`` [B, C, |I|], the teacher's
                 P = exp(chunk-mean log-probs) at the teacher ids of I (ascending; probabilities,
                 not logs: the student's pass over them then takes no exp) + ``sums``
@@ -34,7 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-FORMS = ("full", "topk", "chunk_topk", "gold", "image")
+FORMS = ("full", "topk", "chunk_topk", "gold", "gold_topk", "image")
+#: the forms of the gold / H-KL losses
+GOLD_FORMS = ("gold", "gold_topk")
 _MAX_EXACT_ID = 1 << 24  # float32 holds every integer below this exactly
 
 
@@ -55,20 +63,30 @@ def pair_as_float64(pair: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PayloadSpec:
     """Shape of a payload: ``form``, ``num_chunks`` C, ``width`` (columns per chunk row:
-    V_t / k / k / M / |I|), ``uncommon`` (gold: L sorted uncommon probs per chunk)."""
+    V_t / k / k / M / k / |I|), ``uncommon`` (gold: L sorted uncommon probs per chunk; compact
+    gold: k' of them). Compact gold only, not shipped: ``span`` (n, the sorted uncommon ranks
+    the loss compares) and ``pairs`` (M, the common pairs the columns index)."""
 
     form: str
     num_chunks: int
     width: int
     uncommon: int = 0
+    span: int = 0
+    pairs: int = 0
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
             raise ValueError(f"payload form must be one of {FORMS}, got {self.form!r}")
         if self.num_chunks < 0 or self.width < 0 or self.uncommon < 0:
             raise ValueError(f"payload sizes must be >= 0: {self}")
-        if self.uncommon and self.form != "gold":
-            raise ValueError("only the gold form carries uncommon probabilities")
+        if self.uncommon and self.form not in GOLD_FORMS:
+            raise ValueError("only the gold forms carry uncommon probabilities")
+        if self.form == "gold_topk":
+            if self.width > self.pairs or self.uncommon > self.span:
+                raise ValueError(f"a compact gold payload ships at most its {self.pairs} common "
+                                 f"pairs and {self.span} uncommon ranks: {self}")
+        elif self.span or self.pairs:
+            raise ValueError(f"only the compact gold form has span / pairs: {self}")
 
     def _parts(self) -> list[tuple[str, tuple[int, ...]]]:
         c, w = self.num_chunks, self.width
@@ -79,6 +97,9 @@ class PayloadSpec:
             parts += [("columns", (c, w)), ("tail_logprob", (c,))]
         if self.form == "gold":
             parts.append(("uncommon_probs", (c, self.uncommon)))
+        if self.form == "gold_topk":
+            parts += [("columns", (c, w)), ("tail_logprob", (c,)),
+                      ("uncommon_probs", (c, self.uncommon)), ("uncommon_tail", (c,))]
         if self.form == "image":
             parts += [("sums", (c, 4)), ("teacher_argmax", (c,))]
         return parts
@@ -114,6 +135,7 @@ class TeacherPayload:
     columns: torch.Tensor | None = None
     tail_logprob: torch.Tensor | None = None
     uncommon_probs: torch.Tensor | None = None
+    uncommon_tail: torch.Tensor | None = None
     sums: torch.Tensor | None = None
     teacher_argmax: torch.Tensor | None = None
     probs: torch.Tensor | None = None
