@@ -220,3 +220,43 @@ def test_payload_sizes_and_round_trip():
     with pytest.raises(ValueError, match="payload of"):
         teacher_payload(case.teacher_logits, predicting_chunk_id(case.teacher_chunk_id), spec,
                         vocab_size=case.vt, common_teacher_ids=common[1][:-1])
+
+
+def test_a_narrowed_payload_is_what_the_teacher_ships_at_smaller_sizes():
+    """A compact gold payload cut to fewer pairs / uncommon probabilities (a cache read at
+    smaller sizes) equals the teacher's payload made at those sizes; the cache's plan of it
+    from the two keys, and none where the ranks n differ or a size grows."""
+    from megatron_xdistill.teacher_cache.narrowing import narrowing
+
+    case = make_case(**layouts.CASE)
+    common = common_vocab_from_dense(case.projection, "hkl")
+    ids = predicting_chunk_id(case.teacher_chunk_id)
+
+    def made(k, k_unc):
+        spec = payload_spec("gold_topk", case.chunk_valid.shape[1], case.vt,
+                            num_common=common[0].numel(), gold_topk=k, gold_uncommon_topk=k_unc,
+                            student_vocab_size=case.vs)
+        return teacher_payload(case.teacher_logits, ids, spec, vocab_size=case.vt,
+                               common_teacher_ids=common[1])
+
+    big, small = made(7, 6), made(3, 2)
+    for k, k_unc in [(3, 2), (7, 2), (3, 6)]:
+        got = big.narrowed(k, k_unc)
+        want = small if (k, k_unc) == (3, 2) else made(k, k_unc)
+        assert got.spec == want.spec
+        torch.testing.assert_close(got.to_flat(), want.to_flat(), rtol=1e-6, atol=1e-7)
+
+    def key(payload):
+        s = payload.spec
+        return {"data": {"seq_length": s.num_chunks - 1},
+                "payload": {"form": "gold_topk", "numel": s.numel,
+                            "gold_topk": [s.width, s.uncommon, s.span, s.pairs]}}
+
+    plan = narrowing(key(big), key(small), big.spec.numel)
+    torch.testing.assert_close(plan(big.to_flat()), small.to_flat(), rtol=1e-6, atol=1e-7)
+    assert narrowing(key(small), key(big), small.spec.numel) is None
+    other = key(small)
+    other["payload"]["gold_topk"][2] -= 1
+    assert narrowing(key(big), other, big.spec.numel) is None
+    with pytest.raises(ValueError, match="cannot narrow"):
+        small.narrowed(4, 2)

@@ -198,11 +198,15 @@ class TeacherPayload:
                              f"{self.spec.form!r}")
         return pair_as_float64(self.sums[..., 0:2]), pair_as_float64(self.sums[..., 2:4])
 
-    def narrowed(self, k: int) -> TeacherPayload:
+    def narrowed(self, k: int, k_uncommon: int | None = None) -> TeacherPayload:
         """A chunk top-k payload cut to its ``k`` most probable columns per chunk: the columns
         are held in descending order, so these are what a top-``k`` teacher ships, and the
         dropped columns' mass joins the tail. Rows without a teacher stay
-        zeros. Lets a cache filled at a large k serve any smaller one."""
+        zeros. Lets a cache filled at a large k serve any smaller one. A compact gold payload
+        likewise, to ``k`` pairs and ``k_uncommon`` sorted uncommon probabilities."""
+        if self.spec.form == "gold_topk":
+            return self._narrowed_gold(k, self.spec.uncommon if k_uncommon is None
+                                       else k_uncommon)
         if self.spec.form != "chunk_topk":
             raise ValueError(f"only chunk top-k payloads can be narrowed, not {self.spec.form!r}")
         if not 0 < k <= self.spec.width:
@@ -216,6 +220,25 @@ class TeacherPayload:
             logprobs=self.logprobs[..., :k].contiguous(), has_teacher=self.has_teacher,
             columns=self.columns[..., :k].contiguous(),
             tail_logprob=tail)
+
+    def _narrowed_gold(self, k: int, k_uncommon: int) -> TeacherPayload:
+        """:meth:`narrowed` of a compact gold payload: the dropped pairs' mass joins the
+        bucket, the dropped uncommon probabilities the tail (what the teacher ships at the
+        smaller sizes, up to the order of summation)."""
+        spec = self.spec
+        if not (0 < k <= spec.width and 0 <= k_uncommon <= spec.uncommon):
+            raise ValueError(f"cannot narrow a compact gold payload of {spec.width} pairs and "
+                             f"{spec.uncommon} uncommon probabilities to {k} and {k_uncommon}")
+        bucket = (self.tail_logprob.exp() + self.logprobs[..., k:].exp().sum(-1)).log()
+        tail = self.uncommon_tail + self.uncommon_probs[..., k_uncommon:].sum(-1)
+        return TeacherPayload(
+            spec=PayloadSpec("gold_topk", spec.num_chunks, k, k_uncommon, span=spec.span,
+                             pairs=spec.pairs),
+            logprobs=self.logprobs[..., :k].contiguous(), has_teacher=self.has_teacher,
+            columns=self.columns[..., :k].contiguous(),
+            tail_logprob=torch.where(self.has_teacher, bucket, self.tail_logprob),
+            uncommon_probs=self.uncommon_probs[..., :k_uncommon].contiguous(),
+            uncommon_tail=torch.where(self.has_teacher, tail, self.uncommon_tail))
 
     def select(self, samples: torch.Tensor | list[int]) -> TeacherPayload:
         """The payload of a subset of samples (rows in the given order)."""
