@@ -101,8 +101,9 @@ def _reference(case, mode, **kw):
 
 @pytest.mark.parametrize("mode", ["gold", "hkl"])
 def test_reference_converges_to_todays_gold(mode):
-    """The dense reference (float32) in its compact form: (0, 0) and (M, n) are today's gold / H-KL; smaller
-    sizes fall short by an amount that shrinks monotonically as k and k' grow (printed)."""
+    """The dense reference (float32) in its compact form: (0, 0) and (M, n) are today's
+    gold / H-KL; smaller sizes fall short by an amount that shrinks monotonically as k and k'
+    grow (printed)."""
     case = make_case(batch=3, ts=40, tt=36, vs=300, vt=260, seed=3, realistic=True)
     full = _reference(case, mode)
     assert _reference(case, mode, gold_topk=(0, 0)) == pytest.approx(full, rel=1e-6)
