@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 MCORE_SPEC ?= megatron-core==0.19.2
 
-.PHONY: install demo test test-slow test-gpu coverage lint bench clean
+.PHONY: install demo test test-slow test-gpu coverage mutate lint bench clean
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ coverage: install
 	  $(BIN)/coverage json -q -o coverage.json && \
 	  $(BIN)/python tools/coverage_by_folder.py coverage.json --files || rc=1; \
 	  exit $$rc
+
+# Mutation check of the loss's definitions, its chunk bookkeeping and the aligner's partition code
+# (not in CI: ~40 min on 2 cores). Resumable: per-mutant results in tools/mutation_results/.
+mutate: install
+	$(BIN)/python tools/mutate.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,10 +1,11 @@
 """``xdistill-convert``: HF <-> Megatron checkpoint conversion and verification.
 
-    xdistill-convert hf-to-mcore --hf-dir DIR --out CKPT [--tp N --pp M] [--dtype bf16|fp32]
+    xdistill-convert hf-to-mcore --hf-dir DIR --out CKPT [--tp N --pp M --ep E] [--dtype bf16|fp32]
     xdistill-convert mcore-to-hf --load CKPT --out DIR [--hf-template DIR] [--dtype bf16|fp32]
-    xdistill-convert verify --hf-dir DIR --load CKPT [--tp N --pp M --cp C]
+    xdistill-convert verify --hf-dir DIR --load CKPT [--tp N --pp M --cp C --ep E]
 
-hf-to-mcore runs TP x PP and verify TP x CP x PP CPU ranks (spawned here, or the world of ``torchrun``).
+hf-to-mcore runs TP x PP x EP and verify TP x PP x lcm(CP, EP) CPU ranks (spawned here, or the
+world of ``torchrun``); EP (expert parallelism) applies to mixture-of-experts models.
 Exit status: 0 ok, 1 verification above tolerance or a rank failed, 2 bad input.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -30,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
                      "release/), which our --load and Megatron-LM's --load both take")
     imp.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks that write")
     imp.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks that write")
+    imp.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel ranks that write (mixture-of-experts models)")
     imp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                      help="weights dtype (default: the HF config's)")
     imp.add_argument("--overwrite", action="store_true", help="replace an existing --out")
@@ -52,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--pp", type=int, default=1)
     ver.add_argument("--cp", type=int, default=1,
                      help="context-parallel ranks (--seq-length a multiple of 2 x CP)")
+    ver.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel ranks (mixture-of-experts models)")
     ver.add_argument("--batch", type=int, default=2)
     ver.add_argument("--seq-length", type=int, default=64)
     ver.add_argument("--seed", type=int, default=0)
@@ -68,15 +74,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _dry_run_hf(hf_dir: str, tp: int, pp: int, cp: int = 1) -> str:
+def _dry_run_hf(hf_dir: str, tp: int, pp: int, cp: int = 1, ep: int = 1) -> str:
     """``--dry-run`` of an HF folder: its configuration and layout, and its tensors' names and
     shapes from their headers when it holds weights (said when it does not)."""
     from conversion.mapping import check_hf_tensors
     from conversion.safetensors_io import SafetensorsFolder
     from megatron_xdistill.models.hf_config import check_layout, model_info_from_hf
+    from megatron_xdistill.models.moe import moe_config_kwargs
 
     info = model_info_from_hf(hf_dir)
     check_layout(info, tp, pp, cp)
+    moe_config_kwargs(info, ep)
     try:
         folder = SafetensorsFolder(hf_dir)
     except FileNotFoundError:
@@ -86,7 +94,8 @@ def _dry_run_hf(hf_dir: str, tp: int, pp: int, cp: int = 1) -> str:
             check_hf_tensors(folder, info)
         tensors = "tensor names and shapes checked"
     return (f"{hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}, "
-            f"fits TP {tp} x PP {pp} x CP {cp}; {tensors}")
+            f"fits TP {tp} x PP {pp} x CP {cp}" + (f" x EP {ep}" if ep > 1 else "")
+            + f"; {tensors}")
 
 
 def _hf_to_mcore(args) -> int:
@@ -97,13 +106,15 @@ def _hf_to_mcore(args) -> int:
     require_directory(args.hf_dir, "--hf-dir")
     refuse_existing(args.out, args.overwrite)
     if args.dry_run:
-        log(f"dry run: {_dry_run_hf(args.hf_dir, args.tp, args.pp)}; would write {args.out}")
+        log(f"dry run: {_dry_run_hf(args.hf_dir, args.tp, args.pp, ep=args.ep)}; would write "
+            f"{args.out}")
         return 0
-    info, _ = preflight(args.hf_dir, args.tp, args.pp)
+    info, _ = preflight(args.hf_dir, args.tp, args.pp, args.ep)
+    ranks = args.tp * args.pp * args.ep
     log(f"{args.hf_dir}: {info.architecture}, {info.num_layers} layers, vocab {info.vocab_size}; "
-        f"{args.tp * args.pp} rank(s)")
-    run_distributed(convert_hf_to_mcore, args.tp * args.pp, args.hf_dir, args.out, args.tp,
-                    args.pp, args.dtype, args.overwrite)
+        f"{ranks} rank(s)")
+    run_distributed(convert_hf_to_mcore, ranks, args.hf_dir, args.out, args.tp,
+                    args.pp, args.dtype, args.overwrite, ep=args.ep)
     return 0
 
 
@@ -141,15 +152,17 @@ def _verify(args) -> int:
         from megatron_xdistill.models.description import load_model_info
 
         info = load_model_info(args.load)
-        log(f"dry run: {_dry_run_hf(args.hf_dir, args.tp, args.pp, args.cp)}; --load "
+        log(f"dry run: {_dry_run_hf(args.hf_dir, args.tp, args.pp, args.cp, args.ep)}; --load "
             f"{args.load}: {info.architecture}, vocab {info.vocab_size}")
         return 0
-    metrics = run_distributed(verify_conversion, args.tp * args.cp * args.pp, args.hf_dir,
+    ranks = args.tp * args.pp * math.lcm(args.cp, args.ep)
+    metrics = run_distributed(verify_conversion, ranks, args.hf_dir,
                               args.load, args.tp, args.pp, args.batch, args.seq_length, args.seed,
-                              not args.random_tokens, args.cp)
+                              not args.random_tokens, args.cp, ep=args.ep)
     ok = metrics["max_rel_diff"] <= args.max_rel_diff
     metrics["passed"] = ok
-    log(f"TP={args.tp} CP={args.cp} PP={args.pp}, {args.batch}x{args.seq_length} tokens: "
+    ep = f" EP={args.ep}" if args.ep > 1 else ""
+    log(f"TP={args.tp} CP={args.cp} PP={args.pp}{ep}, {args.batch}x{args.seq_length} tokens: "
         f"max abs diff {metrics['max_abs_diff']:.3e}, max rel diff {metrics['max_rel_diff']:.3e} "
         f"(max |logit| {metrics['max_abs_logit']:.2f}), mean abs diff "
         f"{metrics['mean_abs_diff']:.3e}, top-1 agreement {metrics['top1_agreement']:.4f} -> "

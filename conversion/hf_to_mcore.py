@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from conversion import moe_mapping
 from conversion.launch import layout_groups, log
 from conversion.mapping import (
     check_hf_tensors,
@@ -32,11 +33,14 @@ from megatron_xdistill.models import (
 )
 
 
-def preflight(hf_dir: str, tp: int = 1, pp: int = 1) -> tuple[ModelInfo, list[str]]:
+def preflight(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> tuple[ModelInfo, list[str]]:
     """Check an HF folder before any work: supported architecture, layout, every tensor's name
     and shape (headers only). Returns the ModelInfo and notes on ignored tensors."""
+    from megatron_xdistill.models.moe import moe_config_kwargs
+
     info = model_info_from_hf(hf_dir)
     check_layout(info, tp, pp)
+    moe_config_kwargs(info, ep)  # EP must divide the experts
     with SafetensorsFolder(hf_dir) as hf:
         notes = check_hf_tensors(hf, info)
     return info, notes
@@ -50,6 +54,8 @@ def fill_from_hf(model, hf: SafetensorsFolder, info: ModelInfo, tp_rank: int, tp
     for name, param in model.named_parameters():
         role, local = parse_megatron_name(name)
         layer = None if local is None else layers[local].layer_number - 1
+        if moe_mapping.expert_of(role) is not None:  # this EP rank's expert -> global index
+            role = moe_mapping.globalize(role, layers[local].mlp.local_expert_indices)
         sources = hf_names(role, layer, info)
         full = to_megatron(role, [hf.get(n) for n in sources], info, tp)
         shard = tp_shard(role, full, tp_rank, tp)
@@ -66,21 +72,22 @@ def fill_from_hf(model, hf: SafetensorsFolder, info: ModelInfo, tp_rank: int, tp
 
 def convert_hf_to_mcore(
     hf_dir: str, out: str, tp: int = 1, pp: int = 1, dtype: str | None = None,
-    overwrite: bool = False, seed: int = 1234,
+    overwrite: bool = False, seed: int = 1234, ep: int = 1,
 ) -> dict:
     """Collective (every rank of the world): write a checkpoint of ``hf_dir`` at ``out``.
 
-    The world is split into TP x PP x DP (DP ranks hold replicas and write nothing extra).
+    The world is split into TP x PP x DP (DP ranks hold replicas and write nothing extra; with
+    ``ep`` > 1, MoE models spread their experts over EP of the DP ranks).
     ``dtype`` defaults to the HF config's. Returns a summary (same on every rank).
     """
-    info, notes = preflight(hf_dir, tp, pp)
+    info, notes = preflight(hf_dir, tp, pp, ep)
     for note in notes:
         log(note)
     dtype = torch_dtype(dtype or info.hf_dtype)
-    groups = layout_groups(tp, pp)
+    groups = layout_groups(tp, pp, ep=ep)
     log(f"building {info.architecture} ({info.num_layers} layers, hidden {info.hidden_size}, "
         f"vocab {info.vocab_size} -> {info.padded_vocab_size(tp)} padded) at TP={tp} PP={pp}, "
-        f"{dtype}")
+        f"{dtype}" + (f", EP={ep}" if ep > 1 else ""))
     model, _ = build_model_for_layout(info, groups, dtype, seed, use_te=False,
                                       perform_initialization=False, use_cpu_initialization=True)
     log(f"reading {hf_dir}")
@@ -88,7 +95,7 @@ def convert_hf_to_mcore(
         fill_from_hf(model, hf, info, groups.coords["tp"], tp)
     log(f"saving {out}")
     source = {"hf_dir": os.path.abspath(hf_dir), "dtype": str(dtype).replace("torch.", ""),
-              "tp": tp, "pp": pp}
+              "tp": tp, "pp": pp, **({"ep": ep} if ep > 1 else {})}
     save_megatron_checkpoint(model, out, info, groups.pg_collection, overwrite=overwrite,
                              extra={"source": source},
                              before_commit=lambda tmp: copy_hf_files(hf_dir, tmp))

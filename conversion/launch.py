@@ -40,16 +40,18 @@ def quiet_known_noise() -> None:
 _GROUPS: dict[tuple, Any] = {}
 
 
-def layout_groups(tp: int = 1, pp: int = 1, who: str = "conversion", cp: int = 1):
-    """This world's process groups for TP x CP x PP (DP = the rest), created once per layout and
+def layout_groups(tp: int = 1, pp: int = 1, who: str = "conversion", cp: int = 1, ep: int = 1):
+    """This world's process groups for TP x CP x PP (DP = the rest; EP within CP x DP for MoE
+    models), created once per layout and
     world: every gloo group starts threads, so repeated conversions in one process reuse them.
     Collective on first use for a layout."""
     from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
 
     world = dist.distributed_c10d._get_default_group()
-    key = (id(world), dist.get_world_size(), tp, pp, cp)
+    key = (id(world), dist.get_world_size(), tp, pp, cp, ep)
     if key not in _GROUPS:
-        layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, cp=cp, pp=pp, who=who)
+        layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, cp=cp, pp=pp, who=who,
+                                          ep=ep)
         _GROUPS[key] = build_model_parallel_groups(layout)
     return _GROUPS[key]
 

@@ -15,7 +15,8 @@ unsharded Megatron tensor (TP=1) and back, and how TP splits it:
   (:mod:`conversion.phi3`).
 
 Megatron parameter names of both layer specs are understood (torch-native: separate
-``input_layernorm``; TransformerEngine: ``linear_qkv.layer_norm_weight``).
+``input_layernorm``; TransformerEngine: ``linear_qkv.layer_norm_weight``). Mixture-of-experts
+layers (router and experts) are roles of :mod:`conversion.moe_mapping`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from conversion import phi3
+from conversion import moe_mapping, phi3
 from conversion.safetensors_io import SafetensorsFolder, TensorSpec
 from megatron_xdistill.models.hf_config import ModelInfo
 
@@ -67,8 +68,9 @@ _LAYER_ORDER = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "proj", "at
                 "mlp_norm", "fc1", "fc2", "mlp_post_norm")
 
 
-def layer_roles(info: ModelInfo) -> list[str]:
-    """The roles one transformer layer of ``info`` has."""
+def layer_roles(info: ModelInfo, layer: int = 0) -> list[str]:
+    """The roles transformer layer ``layer`` (global index) of ``info`` has."""
+    moe_roles = moe_mapping.moe_layer_roles(info, layer)
     roles = []
     for role in _LAYER_ORDER:
         if role == "qkv_bias" and not info.add_qkv_bias:
@@ -76,6 +78,10 @@ def layer_roles(info: ModelInfo) -> list[str]:
         if role in ("q_norm", "k_norm") and not info.qk_layernorm:
             continue
         if role in ("attn_post_norm", "mlp_post_norm") and not info.gemma_norms:
+            continue
+        if role in ("fc1", "fc2") and moe_roles is not None:
+            if role == "fc1":
+                roles += moe_roles
             continue
         roles.append(role)
     return roles
@@ -85,6 +91,8 @@ def hf_names(role: str, layer: int | None, info: ModelInfo) -> list[str]:
     """The HF tensors a role is made of (global layer index)."""
     if phi3.is_fused(role, info):
         return [phi3.hf_name(role, layer)]
+    if moe_mapping.base_role(role) in moe_mapping.EXPERT_TP_SPLIT:
+        return moe_mapping.moe_hf_names(role, layer, info)
     p = f"model.layers.{layer}."
     return {
         "embedding": [EMBED],
@@ -119,8 +127,9 @@ def expected_hf_shapes(info: ModelInfo) -> dict[str, tuple[int, ...]]:
             shapes[role] = [phi3.fused_shape(role, info)]
     out = {EMBED: (info.vocab_size, h)}
     for layer in range(info.num_layers):
-        for role in layer_roles(info):
-            out.update(zip(hf_names(role, layer, info), shapes[role]))
+        for role in layer_roles(info, layer):
+            role_shapes = shapes.get(role) or moe_mapping.moe_hf_shapes(role, info)
+            out.update(zip(hf_names(role, layer, info), role_shapes))
     out[FINAL_NORM] = (h,)
     if not info.tie_word_embeddings:
         out[LM_HEAD] = (info.vocab_size, h)
@@ -161,6 +170,9 @@ def parse_megatron_name(name: str) -> tuple[str, int | None]:
     match = _LAYER_RE.match(name)
     if match and match.group(2) in _LAYER_ROLES:
         return _LAYER_ROLES[match.group(2)], int(match.group(1))
+    moe_role = moe_mapping.parse_moe_suffix(match.group(2)) if match else None
+    if moe_role is not None:  # the expert index is the rank's local one
+        return moe_role, int(match.group(1))
     raise KeyError(f"Megatron parameter {name} has no HF counterpart")
 
 
@@ -177,7 +189,7 @@ def to_megatron(role: str, tensors: list[torch.Tensor], info: ModelInfo, tp: int
         groups, q_rows, d = _qkv_dims(info)
         q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in tensors)
         return torch.cat([q, k, v], dim=1).reshape(groups * (q_rows + 2 * d), *q.shape[2:])
-    if role == "fc1":
+    if moe_mapping.base_role(role) in ("fc1", "expert_fc1"):
         return torch.cat(tensors, dim=0)
     if role in ("embedding", "output"):
         (weight,) = tensors
@@ -199,7 +211,7 @@ def _split(role: str, full: torch.Tensor, info: ModelInfo) -> list[torch.Tensor]
         grouped = full.reshape(groups, q_rows + 2 * d, *full.shape[1:])
         q, k, v = torch.split(grouped, [q_rows, d, d], dim=1)
         return [t.reshape(-1, *full.shape[1:]) for t in (q, k, v)]
-    if role == "fc1":
+    if moe_mapping.base_role(role) in ("fc1", "expert_fc1"):
         return list(torch.chunk(full, 2, dim=0))
     if role in ("embedding", "output"):
         return [full[: info.vocab_size]]
@@ -208,7 +220,8 @@ def _split(role: str, full: torch.Tensor, info: ModelInfo) -> list[torch.Tensor]
 
 def tp_shard(role: str, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
     """This TP rank's part of an unsharded Megatron tensor."""
-    split = _TP_SPLIT[role]
+    base = moe_mapping.base_role(role)
+    split = _TP_SPLIT[base] if base in _TP_SPLIT else moe_mapping.EXPERT_TP_SPLIT[base]
     if split is None or tp == 1:
         return full
     if split == "glu":
@@ -234,7 +247,7 @@ def export_plan(info: ModelInfo, param_names: list[str]) -> list[HFTensorPlan]:
         by_role[(role, layer)] = name
     plan = [HFTensorPlan("embedding", None, by_role[("embedding", None)])]
     for layer in range(info.num_layers):
-        for role in layer_roles(info):
+        for role in layer_roles(info, layer):
             plan.append(HFTensorPlan(role, layer, by_role[(role, layer)]))
     plan.append(HFTensorPlan("final_norm", None, by_role[("final_norm", None)]))
     if not info.tie_word_embeddings:
@@ -252,6 +265,7 @@ def iter_hf_tensors(
     progress: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) in file order from an unsharded model's parameters."""
+    last_expert = (info.num_moe_experts or 0) - 1
     for item in export_plan(info, list(params)):
         names = hf_names(item.role, item.layer, info)
         if item.role == "output":
@@ -259,5 +273,5 @@ def iter_hf_tensors(
         pieces = to_hf(item.role, params[item.param_name].detach(), info)
         for name, tensor in zip(names, pieces):
             yield name, tensor.to(dtype)
-        if progress is not None and item.role == "fc2":
+        if progress is not None and item.role in ("fc2", f"expert_fc2.{last_expert}"):
             progress(f"layer {item.layer + 1}/{info.num_layers}")

@@ -120,9 +120,10 @@ def compare_logits(reference: torch.Tensor, actual: torch.Tensor) -> dict[str, f
 
 def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: int = 2,
                       seq_length: int = 64, seed: int = 0, text: bool = True,
-                      cp: int = 1) -> dict[str, Any]:
-    """Collective: compare ``load`` (at TP x CP x PP, DP = the rest) with the HF model in
-    ``hf_dir``. With CP, ``seq_length`` must be a multiple of 2 x CP.
+                      cp: int = 1, ep: int = 1) -> dict[str, Any]:
+    """Collective: compare ``load`` (at TP x CP x PP, DP = the rest, EP within CP x DP for an
+    MoE model) with the HF model in ``hf_dir``. With CP, ``seq_length`` must be a multiple of
+    2 x CP. Every DP rank runs the same tokens (EP ranks exchange them with their experts).
 
     Returns the metrics on every rank.
     """
@@ -138,7 +139,7 @@ def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: i
             f"{theirs.hf_dtype}; both run in fp32 here")
     if seq_length % (2 * cp):
         raise ValueError(f"--seq-length {seq_length} is not a multiple of 2 x CP = {2 * cp}")
-    groups = layout_groups(tp, pp, who="verify", cp=cp)
+    groups = layout_groups(tp, pp, who="verify", cp=cp, ep=ep)
     reporter = dist.get_rank() == _reporting_rank(groups.layout)
     tokens = torch.empty(batch, seq_length, dtype=torch.long)
     if dist.get_rank() == 0:  # one tokenizer load, not one per rank
@@ -158,7 +159,7 @@ def verify_conversion(hf_dir: str, load: str, tp: int = 1, pp: int = 1, batch: i
         padded = logits[..., info.vocab_size:]
         metrics = compare_logits(reference, logits[..., : info.vocab_size])
         metrics["padded_logits_max_abs"] = padded.abs().max().item() if padded.numel() else 0.0
-        metrics.update(tp=tp, cp=cp, pp=pp, batch=batch, seq_length=seq_length)
+        metrics.update(tp=tp, cp=cp, pp=pp, ep=ep, batch=batch, seq_length=seq_length)
         result = [metrics]
     dist.broadcast_object_list(result, src=_reporting_rank(groups.layout))
     return result[0]

@@ -242,6 +242,30 @@ def test_flags_win_over_the_config(base, tmp_path):
     assert args.lr == 2e-4 and args.train_iters == 9
 
 
+def test_a_config_files_teachers_config_is_read_beside_it(base, tmp_path, monkeypatch):
+    """``teachers_config: teachers.yaml`` in a config file names the file beside it (as the
+    reference runs' config does), from any working directory; given on the command line
+    (override or flag) it is the user's path, from the working directory."""
+    teacher = base[base.index("--teacher-load") + 1]
+    tok = base[base.index("--teacher-tokenizer-model") + 1]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "teachers.yaml").write_text(
+        f"teachers:\n  - {{name: a, load: {teacher}, tokenizer_model: {tok}}}\n"
+        f"  - {{name: b, load: {teacher}, tokenizer_model: {tok}}}\n")
+    (runs / "run.yaml").write_text("teachers_config: teachers.yaml\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    args = parse_args(["--config", str(runs / "run.yaml"), *base], 4)
+    assert args.teachers_config == str(runs / "teachers.yaml")
+    assert [t.name for t in args.teachers] == ["a", "b"]
+    (elsewhere / "mine.yaml").write_text((runs / "teachers.yaml").read_text())
+    for given in (["teachers_config=mine.yaml"], ["--teachers-config", "mine.yaml"]):
+        args = parse_args(["--config", str(runs / "run.yaml"), *base, *given], 4)
+        assert args.teachers_config == "mine.yaml"
+
+
 @pytest.mark.parametrize("text, overrides, message", [
     ("learning_rate: 1.0\n", [], "unknown key 'learning_rate' (no --learning-rate argument"),
     ("teacher: {lod: x}\n", [], "unknown key 'teacher_lod'"),

@@ -25,6 +25,9 @@ def test_chunk_starts_keep_each_chunks_first_token():
     want = torch.tensor([[0, 1, -1, 2, -1, -1, -1, 3],
                          [-1, -1, 0, -1, 1, 2, 3, -1]])
     assert torch.equal(chunk_start_ids(ids), want)
+    # a side whose first chunk is empty starts at chunk 1 (or any other id)
+    assert chunk_start_ids(torch.tensor([[1, 1, 2], [5, 6, 6]])).tolist() == [[1, -1, 2],
+                                                                             [5, 6, -1]]
 
 
 def test_single_teacher_token_chunks_count_tokens_per_chunk():

@@ -22,6 +22,8 @@ from megatron_xdistill.loss import parallel_kd_loss
 from megatron_xdistill.loss.definitions import reference
 from megatron_xdistill.loss.definitions.common import common_vocab_from_dense, predicting_chunk_id
 from megatron_xdistill.loss.fused import call as fused_call
+from megatron_xdistill.loss.fused import gold as fused_gold
+from megatron_xdistill.loss.fused import image as fused_image
 from megatron_xdistill.loss.kernels.image_projection import teacher_image
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.testing.multirank import RankPool
@@ -131,6 +133,14 @@ def _close(got, want, grad, ref_grad, what, rtol=RTOL):
                                msg=lambda m: f"{what}: {m}")
 
 
+def _case(form: str):
+    """Ragged chunks, some invalid or inexact, positions predicting none, padded columns
+    (gold's a little shorter: the interpreter sorts each row's list on its own)."""
+    ts, tt = (24, 20) if form == "image" else (16, 14)
+    return make_case(batch=3 if form == "image" else 2, ts=ts, tt=tt, vs=70, vt=62,
+                     vs_padded=96, vt_padded=72, seed=3, normalised_rows=True)
+
+
 CASES = [
     # mode, form, T, reverse (or JSD beta), CE weight, uncommon cap
     ("pkl", "image", 1.0, False, 0.5, 8192),
@@ -148,8 +158,7 @@ CASES = [
 def test_fused_forms_match_reference(counted, config, device):
     """One process, padded vocabulary, ragged and invalid chunks, positions predicting none."""
     mode, form, temp, reverse, ce_w, unc = config
-    case = make_case(batch=3, ts=24, tt=20, vs=70, vt=62, vs_padded=96, vt_padded=72, seed=3,
-                     normalised_rows=True)
+    case = _case(form)
     loss, grad, padded, terms = _loss(case, mode, form, temp, reverse, ce_w, uncommon=unc,
                                       device=device)
     ref, ref_grad, details = _reference(case, mode, temp, reverse, ce_w, uncommon=unc)
@@ -162,12 +171,31 @@ def test_fused_forms_match_reference(counted, config, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["image", "gold"])
+def test_one_step_kernels_at_one_tp_rank(counted, form, device, monkeypatch):
+    """The kernels a step (what TP / CP layouts run, with their sums between) at one TP rank,
+    where the whole-row kernel otherwise takes the rows: the same sums."""
+    monkeypatch.setattr(fused_image, "WHOLE_ROWS", False)
+    monkeypatch.setattr(fused_gold, "WHOLE_ROWS", False)
+    mode, temp, reverse, unc = ("pkl", 2.0, 0.5, 8192) if form == "image" else \
+        ("hkl", 1.5, True, 6)
+    case = _case(form)
+    loss, grad, padded, terms = _loss(case, mode, form, temp, reverse, 1.0, uncommon=unc,
+                                      device=device)
+    ref, ref_grad, details = _reference(case, mode, temp, reverse, 1.0, uncommon=unc)
+    _close(loss, ref, grad, ref_grad, form)
+    assert torch.count_nonzero(padded) == 0
+    assert terms.top1.item() == details.top1.sum().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["image", "gold"])
 def test_several_groups_and_the_forward_written_gradient(counted, form, device):
     """Row groups of a few rows each (a small budget), the forward that writes the gradient
     (``loss_weights``), and per-sample weights: the same as the reference."""
     mode = "pkl" if form == "image" else "hkl"
-    case = make_case(batch=4, ts=20, tt=18, vs=60, vt=50, vs_padded=64, seed=8)
-    weights = torch.tensor([1.0, 0.0, 2.5, 0.5])
+    case = make_case(batch=4 if form == "image" else 2, ts=20, tt=18, vs=60, vt=50,
+                     vs_padded=64, seed=8)
+    weights = torch.tensor([1.0, 0.0, 2.5, 0.5])[: case.chunk_valid.shape[0]]
     loss, grad, padded, _ = _loss(case, mode, form, 2.0, False, 0.5, uncommon=6,
                                   block_bytes=4 * 300, ahead=True, device=device,
                                   sample_weights=weights.to(device))
@@ -195,6 +223,31 @@ def test_no_chunk_rows_and_an_empty_sample(counted, form, device):
     ref, ref_grad, _ = _reference(case, mode, 1.0, False, 1.0)
     assert terms.kd_count.item() == 0
     _close(loss, ref, grad, ref_grad, f"{form}, no chunk")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("whole_rows", [True, False])
+def test_gold_ties_at_the_cut(counted, device, whole_rows, monkeypatch):
+    """Eight uncommon student tokens with the same logits at every position, the largest
+    uncommon ones, and five compared: the radix select's cut falls inside the tie. Which tied
+    columns are taken is arbitrary (the reference's topk takes others), so the loss and, per
+    position, the gradient summed over the tied columns equal the reference's; elsewhere each
+    element does."""
+    monkeypatch.setattr(fused_gold, "WHOLE_ROWS", whole_rows)
+    case = _case("gold")
+    common, _ = common_vocab_from_dense(case.projection, "gold")
+    uncommon = torch.ones(case.vs, dtype=torch.bool)
+    uncommon[common] = False
+    tied = torch.nonzero(uncommon, as_tuple=True)[0][:8]
+    case.student_logits[..., tied] = 4.0
+    loss, grad, padded, _ = _loss(case, "gold", "gold", 1.0, False, 0.5, uncommon=5,
+                                  device=device)
+    ref, ref_grad, _ = _reference(case, "gold", 1.0, False, 0.5, uncommon=5)
+    assert loss == pytest.approx(ref, rel=RTOL)
+    rest = torch.ones(case.vs, dtype=torch.bool)
+    rest[tied] = False
+    _close(loss, ref, grad[..., rest], ref_grad[..., rest], "outside the tie")
+    _close(loss, ref, grad[..., tied].sum(-1), ref_grad[..., tied].sum(-1), "over the tie")
 
 
 @pytest.mark.parametrize("device", DEVICES)

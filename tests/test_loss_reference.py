@@ -8,6 +8,7 @@ predicting positions by hand and evaluates the formulas one chunk at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -148,6 +149,166 @@ def test_reference_equals_per_chunk_loop(kw):
         case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
         case.projection.double(), mode, temp, reverse, exact_only, uncommon_topk=unc, **args)
     assert float(got) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode,exact_only", [("pkl", False), ("gold", True)])
+def test_a_batch_without_counted_chunks_has_loss_zero(mode, exact_only):
+    """No chunk counts (none valid, or none exact with ``exact_only``): the loss is 0, not the
+    0 / 0 of an average over no chunks, and no chunk is reported counted."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    valid = case.chunk_valid if exact_only else torch.zeros_like(case.chunk_valid)
+    exact = torch.zeros_like(case.chunk_exact)
+    details = reference.kd_loss_details(
+        case.real_student_logits.double(), case.real_teacher_logits.double(),
+        case.student_chunk_id, case.teacher_chunk_id, valid, exact, case.projection.double(),
+        mode, 1.0, False, exact_only)
+    assert not details.counted.any() and not details.top1.any()
+    assert float(details.loss) == 0.0
+
+
+@pytest.mark.parametrize("kw", [{}, {"vocab_topk": 9}, {"chunk_topk": 5, "jsd_beta": 0.3}],
+                         ids=["full", "vocab_topk", "chunk_topk-jsd"])
+def test_sparse_projection_gives_the_dense_loss_and_gradient(kw):
+    """W as sparse COO (real vocabularies) gives the dense W's loss and student gradient; the
+    student's gradient is finite although chunk slots without predicting positions (averages
+    over no position) are part of the dense computation."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    results = []
+    for projection in (case.projection.double(), case.projection.double().to_sparse()):
+        z = case.real_student_logits.double().requires_grad_(True)
+        loss = reference.kd_loss(z, case.real_teacher_logits.double(), case.student_chunk_id,
+                                 case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
+                                 projection, "pkl", 1.5, **kw)
+        loss.backward()
+        results.append((loss.detach(), z.grad))
+    (dense, dense_grad), (sparse, sparse_grad) = results
+    assert torch.isfinite(dense_grad).all() and dense_grad.abs().sum() > 0
+    torch.testing.assert_close(sparse, dense, rtol=1e-12, atol=0)
+    torch.testing.assert_close(sparse_grad, dense_grad, rtol=1e-10, atol=1e-14)
+
+
+def test_reference_refuses_an_unknown_mode_and_a_headed_reverse_kl():
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    args = (case.real_student_logits, case.real_teacher_logits, case.student_chunk_id,
+            case.teacher_chunk_id, case.chunk_valid, case.chunk_exact, case.projection)
+    with pytest.raises(ValueError, match="loss mode must be one of .* got 'pkI'"):
+        reference.kd_loss(*args, "pkI")
+    # the defaults: forward P-KL at temperature 1 over every valid chunk
+    torch.testing.assert_close(reference.kd_loss(*args),
+                               reference.kd_loss(*args, "pkl", 1.0, False, False), rtol=0, atol=0)
+    assert reference.kd_loss(*args) != reference.kd_loss(*args, "pkl", 1.0, False, True)
+    heads = torch.arange(case.projection.shape[1])
+    reference.kd_loss_details(*args, "pkl", chunk_topk=3, teacher_heads=heads)
+    with pytest.raises(ValueError, match="forward KL only"):
+        reference.kd_loss_details(*args, "pkl", 1.0, True, chunk_topk=3, teacher_heads=heads)
+
+
+def test_chunks_without_a_predicting_position_on_one_side_do_not_count():
+    """A valid chunk whose only token on one side is its sample's first token (nothing predicts
+    it) is not counted; the rest is the loop's loss."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    s_ids, t_ids = case.student_chunk_id.clone(), case.teacher_chunk_id.clone()
+    t_ids[0, 1:][t_ids[0, 1:] == 0] = -1  # teacher chunk 0 of sample 0: its first token only
+    s_ids[1, 1:][s_ids[1, 1:] == 0] = -1  # student chunk 0 of sample 1: the same
+    assert case.chunk_valid[0, 0] and case.chunk_valid[1, 0]
+    case = dataclasses.replace(case, student_chunk_id=s_ids, teacher_chunk_id=t_ids)
+    details = reference.kd_loss_details(
+        case.real_student_logits.double(), case.real_teacher_logits.double(), s_ids, t_ids,
+        case.chunk_valid, case.chunk_exact, case.projection.double())
+    assert not details.counted[0, 0] and not details.counted[1, 0]
+    assert details.counted.sum() == case.chunk_valid.sum() - 2
+    assert float(details.loss) == pytest.approx(_loop_loss(case, "pkl"), rel=1e-6)
+
+
+def _headed_loop(case, k: int, heads: torch.Tensor, temp: float) -> tuple[float, torch.Tensor]:
+    """Forward KL per chunk, from DESIGN.md's first-token form: the chunk's k most probable
+    teacher tokens (chunk-mean log-probs) put their probability on their heads, the rest stays
+    one bucket; the student's projected chunk mass normalised over V_t, its bucket the mass off
+    the heads that got teacher mass. Also whether each chunk's most probable head is the
+    student's most probable among those heads ([B, C], False where not counted)."""
+    z, u, w = case.real_student_logits.double(), case.real_teacher_logits.double(), \
+        case.projection.double()
+    total, count = 0.0, 0
+    top1 = torch.zeros_like(case.chunk_valid, dtype=torch.bool)
+    for b in range(z.shape[0]):
+        for c in range(case.chunk_valid.shape[1]):
+            s_pos = _positions(case.student_chunk_id[b], c)
+            t_pos = _positions(case.teacher_chunk_id[b], c)
+            if not case.chunk_valid[b, c] or not s_pos or not t_pos:
+                continue
+            q = sum(torch.softmax(z[b, i] / temp, 0) @ w for i in s_pos) / len(s_pos)
+            log_p = sum(torch.log_softmax(u[b, j] / temp, 0) for j in t_pos) / len(t_pos)
+            top = sorted(range(log_p.numel()), key=lambda t: -float(log_p[t]))[:k]
+            p = {}
+            for col in top:
+                head = int(heads[col])
+                p[head] = p.get(head, 0.0) + math.exp(float(log_p[col]))
+            p_tail = sum(math.exp(float(log_p[t])) for t in range(log_p.numel()) if t not in top)
+            q_all = float(q.sum())
+            q_tail = (q_all - sum(float(q[h]) for h in p)) / q_all
+            kl = sum(v * (math.log(v) - math.log(float(q[h]) / q_all + EPS)) for h, v in p.items())
+            kl += p_tail * (math.log(p_tail) - math.log(q_tail + EPS))
+            total += temp * temp * kl
+            count += 1
+            top1[b, c] = max(p, key=p.get) == max(p, key=lambda h: float(q[h]))
+    return total / count, top1
+
+
+@pytest.mark.parametrize("temp", [1.0, 2.0])
+def test_first_token_heads_form_equals_its_loop(temp):
+    """``teacher_heads`` (``--kd-first-token``): the headed forward KL of every counted chunk."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    vt = case.projection.shape[1]
+    heads = torch.arange(vt) // 3 * 3  # three teacher columns share each head
+    details = reference.kd_loss_details(
+        case.real_student_logits.double(), case.real_teacher_logits.double(),
+        case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
+        case.projection.double(), "pkl", temp, chunk_topk=5, teacher_heads=heads)
+    loss, top1 = _headed_loop(case, 5, heads, temp)
+    assert float(details.loss) == pytest.approx(loss, rel=1e-6)
+    assert details.top1.tolist() == top1.tolist() and 0 < top1.sum() < details.counted.sum()
+
+
+def test_first_token_heads_of_every_column_onto_itself_is_the_exact_form():
+    """Every teacher column its own head and all of them in the top k: the headed form is the
+    exact forward P-KL (its tail is empty, and so is the student's mass off the heads)."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    vt = case.projection.shape[1]
+    args = (case.real_student_logits.double(), case.real_teacher_logits.double(),
+            case.student_chunk_id, case.teacher_chunk_id, case.chunk_valid, case.chunk_exact,
+            case.projection.double(), "pkl", 1.5)
+    headed = reference.kd_loss_details(*args, chunk_topk=vt, teacher_heads=torch.arange(vt))
+    exact = reference.kd_loss_details(*args)
+    torch.testing.assert_close(headed.per_chunk, exact.per_chunk, rtol=1e-9, atol=1e-12)
+    assert headed.top1.tolist() == exact.top1.tolist()
+
+
+@pytest.mark.parametrize("mode", ["pkl", "gold"])
+def test_top1_agreement_equals_the_loop(mode):
+    """Per counted chunk: the student's and the teacher's most probable token agree (P-KL: on
+    the teacher vocabulary, the student's projected mass; gold: over the common pairs)."""
+    case = make_case(batch=2, ts=14, tt=12, vs=23, vt=19, seed=3)
+    z, u, w = case.real_student_logits.double(), case.real_teacher_logits.double(), \
+        case.projection.double()
+    details = reference.kd_loss_details(z, u, case.student_chunk_id, case.teacher_chunk_id,
+                                        case.chunk_valid, case.chunk_exact, w, mode)
+    cs, ct = common_vocab_from_dense(case.projection, mode) if mode != "pkl" else (None, None)
+    want = torch.zeros_like(case.chunk_valid, dtype=torch.bool)
+    for b in range(z.shape[0]):
+        for c in range(case.chunk_valid.shape[1]):
+            s_pos = _positions(case.student_chunk_id[b], c)
+            t_pos = _positions(case.teacher_chunk_id[b], c)
+            if not case.chunk_valid[b, c] or not s_pos or not t_pos:
+                continue
+            a = sum(torch.log_softmax(z[b, i], 0) for i in s_pos) / len(s_pos)
+            t = sum(torch.log_softmax(u[b, j], 0) for j in t_pos) / len(t_pos)
+            if mode == "pkl":
+                q = sum(torch.softmax(z[b, i], 0) for i in s_pos) @ w
+                want[b, c] = int(q.argmax()) == int(t.argmax())
+            else:
+                want[b, c] = int(a[cs].argmax()) == int(t[ct].argmax())
+    assert details.top1.tolist() == want.tolist()
+    assert want.sum() < details.counted.sum()  # a flipped comparison would show
 
 
 # (mode, form, topk, temperature, reverse, with_ce)

@@ -54,9 +54,9 @@ def test_model_info_of_each_family(family):  # the Phi-3 family's: tests/test_ph
     assert (info.num_attention_heads, info.num_query_groups) == (4, 2)
     assert info.tie_word_embeddings == spec.overrides["tie_word_embeddings"]
     assert info.add_qkv_bias == (family == "qwen2")
-    assert info.qk_layernorm == (family in ("qwen3", "gemma3"))
-    assert info.kv_channels == (32 if family == "qwen3" else 16)
-    assert info.sliding_window == (8 if family in ("mistral", "gemma3") else None)
+    assert info.qk_layernorm == (family in ("qwen3", "qwen3_moe", "gemma3"))
+    assert info.kv_channels == (32 if family in ("qwen3", "qwen3_moe") else 16)
+    assert info.sliding_window == (8 if family in ("mistral", "mixtral", "gemma3") else None)
     assert info.window_layers == ([1, 0, 1, 0] if family == "gemma3" else None)
     assert info.gemma_norms == (family == "gemma3")
     config = transformer_config(info, dtype="bf16")
@@ -64,7 +64,8 @@ def test_model_info_of_each_family(family):  # the Phi-3 family's: tests/test_ph
     assert config.kv_channels == info.kv_channels and config.gated_linear_unit
     assert config.normalization == "RMSNorm" and not config.add_bias_linear
     assert config.params_dtype == torch.bfloat16 and config.bf16
-    assert config.window_size == ((7, 0) if family in ("mistral", "gemma3") else None)
+    assert config.window_size == ((7, 0) if family in ("mistral", "mixtral", "gemma3") else None)
+    assert config.num_moe_experts == (4 if family in ("qwen3_moe", "mixtral") else None)
     if family == "gemma3":
         assert config.window_attn_skip_freq == [1, 0, 1, 0]
         assert config.softmax_scale == pytest.approx(24 ** -0.5)

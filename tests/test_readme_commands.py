@@ -34,7 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("**/*.md"))]
 MODELS = Path(__file__).resolve().parent / "readme_models"
 #: The models the pages name -> their family's tokenizer in the shared assets.
-TOKENIZER_OF = {"SmolLM2-135M": "smollm2", "Qwen2.5-Coder-1.5B": "qwen2"}
+#: Phi-4-mini's own (o200k) tokenizer is not in the assets: GPT-2's byte-level BPE stands in,
+#: grown to Phi-4-mini's tokenizer size with reserved tokens (the commands check shapes and the
+#: projection's form, not the vocabulary's contents).
+TOKENIZER_OF = {"SmolLM2-135M": "smollm2", "Qwen2.5-Coder-1.5B": "qwen2",
+                "Llama-3.2-1B": "llama3", "Llama-3.2-3B": "llama3", "Qwen3-4B": "qwen2",
+                "Phi-4-mini-instruct": "gpt2"}
 #: Commands that are the project's own entry points elsewhere checked (CI runs `make test`;
 #: `make demo` is the demo) or installation steps (`make install` is what CI runs).
 NOT_RUN = ("make", "pip", "python3 -m venv", ".", "cd", "git")
@@ -59,6 +64,29 @@ def shell_commands(text: str) -> list[list[str]]:
     return out
 
 
+def _as_llama32(path: Path) -> None:
+    """The assets' Llama 3 tokenizer with Llama 3.2's 128,256 tokens: it carries one added token
+    more (``<|endoftext|>``, id 128256) that Llama 3.2's own has not."""
+    data = json.loads(path.read_text())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["id"] < 128256]
+    path.write_text(json.dumps(data))
+
+
+#: Phi-4-mini-instruct's tokenizer size (o200k plus its chat tokens; the model has 200,064 rows).
+PHI4MINI_TOKENS = 200029
+
+
+def _reserve_up_to(path: Path, size: int) -> None:
+    """A stand-in tokenizer grown to ``size`` tokens with reserved special tokens (never produced
+    by encoding text), so the vocabulary checks see the real model's tokenizer size."""
+    data = json.loads(path.read_text())
+    first = 1 + max([*data["model"]["vocab"].values(), *(t["id"] for t in data["added_tokens"])])
+    data["added_tokens"] += [{"id": i, "content": f"<|reserved_{i}|>", "single_word": False,
+                              "lstrip": False, "rstrip": False, "normalized": False,
+                              "special": True} for i in range(first, size)]
+    path.write_text(json.dumps(data))
+
+
 def _value(words: list[str], flag: str) -> str | None:
     return words[words.index(flag) + 1] if flag in words else None
 
@@ -80,9 +108,15 @@ class Workspace:
         for name, tokenizer in TOKENIZER_OF.items():
             shutil.copytree(TOKENIZERS / tokenizer, root / name)
             shutil.copy(MODELS / name / "config.json", root / name / "config.json")
+            if tokenizer == "llama3":
+                _as_llama32(root / name / "tokenizer.json")
+            if name == "Phi-4-mini-instruct":
+                _reserve_up_to(root / name / "tokenizer.json", PHI4MINI_TOKENS)
         texts = [json.loads(x)["text"] for x in
                  (ASSETS / "corpora" / "enwiki_val.jsonl").read_text().splitlines()[:6]]
-        for name in ("code.jsonl", "held_out.jsonl"):
+        # The pages' commands run from the repository root: its example configs are there.
+        (root / "examples").symlink_to(REPO / "examples")
+        for name in ("code.jsonl", "held_out.jsonl", "train.jsonl"):
             (root / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         (root / "prompts.jsonl").write_text(json.dumps({"prompt": "2 + 3 =", "answer": "5"})
                                             + "\n")

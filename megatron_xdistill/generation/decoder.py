@@ -14,7 +14,7 @@ replicas decode their own prompts independently (each with its own generator).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -96,13 +96,16 @@ def _param_dtype(model) -> torch.dtype:
 def generate(model, groups: ModelParallelGroups, prompts: Sequence[Sequence[int]],
              params: SamplingParams, *, eos_token_ids: Collection[int], vocab_size: int,
              device: torch.device, generator: torch.Generator | None = None,
-             pad_token_id: int = 0) -> Generation:
+             pad_token_id: int = 0,
+             stop_when: Callable[[int, list[int]], bool] | None = None) -> Generation:
     """Sample a response to each prompt (token ids) with ``model`` (this rank's shard).
 
     Every rank of the model-parallel replica calls this with the same prompts. ``vocab_size`` is
     the tokenizer's: the padded vocabulary rows are never drawn. ``generator`` (on ``device``)
     makes the draws reproducible; greedy decoding needs none. A response ends after an
-    ``eos_token_ids`` token or ``params.max_new_tokens`` tokens.
+    ``eos_token_ids`` token or ``params.max_new_tokens`` tokens, or when ``stop_when(i,
+    response ids so far)`` says so (e.g. a stop string in the decoded text): every rank holds the
+    same sequences, so every rank's call gives the same answer and the ranks leave together.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token (e.g. BOS)")
@@ -142,6 +145,9 @@ def generate(model, groups: ModelParallelGroups, prompts: Sequence[Sequence[int]
             ended = active & torch.isin(step, eos)
             finished |= ended
             done |= ended | (active & (new >= params.max_new_tokens))
+            if stop_when is not None:
+                for i in torch.nonzero(active & ~done).flatten().tolist():
+                    done[i] = stop_when(i, tokens[i, int(prompt_lengths[i]):end + 1].tolist())
             if bool(done.all()) or end + 1 >= total:
                 break
             start, end = end, end + 1

@@ -196,6 +196,23 @@ def _patch_rng_tracker() -> None:
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
+def _patch_moe_split_sizes() -> None:
+    """Covers: moe.token_dispatcher.MoEAlltoAllTokenDispatcher, whose all-to-all split sizes
+    become numpy arrays only when they come from a CUDA tensor (``maybe_move_tensor_to_cpu``);
+    on the CPU they stayed tensors, which gloo's ``all_to_all_single`` refuses."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
 class _ParallelStateWithGroupRank:
     """parallel_state look-alike answering the DP x CP rank from an explicit group."""
 
@@ -305,6 +322,7 @@ def install() -> None:
         return
     _patch_torch_cuda()
     _patch_rng_tracker()
+    _patch_moe_split_sizes()
     _CUDA_MODE = _CudaToCpuMode()
     _CUDA_MODE.__enter__()
 

@@ -17,7 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 
 from megatron_xdistill.mcore import compat as mcore_compat
-from megatron_xdistill.models import gemma3, phi3
+from megatron_xdistill.models import gemma3, moe, phi3
 from megatron_xdistill.models.hf_config import (  # noqa: F401 - check_layout: this API too
     ModelInfo,
     check_layout,
@@ -57,12 +57,15 @@ def transformer_config(
     pp: int = 1,
     cp: int = 1,
     dtype: str | torch.dtype = torch.float32,
+    ep: int = 1,
     **overrides: Any,
 ) -> TransformerConfig:
     """Megatron TransformerConfig of ``info`` at a layout: RMSNorm, SwiGLU (GeGLU for Gemma 3),
     GQA, no linear bias (QKV bias for Qwen2), QK RMSNorm (Qwen3, Gemma 3), sliding window on all
     layers (Mistral) or some (Gemma 3), softmax scale (Gemma 3). No dropout unless the HF
-    config has attention dropout. Kernel fusions are left to the runtime. ``overrides`` are
+    config has attention dropout; MoE layers (Qwen3-MoE, Mixtral) with their experts split over
+    ``ep`` expert-parallel ranks (:mod:`.moe`). Kernel fusions are left to the runtime.
+    ``overrides`` are
     passed to TransformerConfig last (e.g. ``sequence_parallel=True``,
     ``gradient_accumulation_fusion=True``).
     """
@@ -105,6 +108,7 @@ def transformer_config(
         persist_layer_norm=False,
         apply_rope_fusion=False,
     )
+    kwargs.update(moe.moe_config_kwargs(info, ep))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -181,7 +185,14 @@ def build_gpt_model(
             raise ValueError(f"{info.architecture}: a local RoPE base needs Gemma's layer spec")
         layer_spec = gpt_layer_spec("RMSNorm", qk_layernorm=info.qk_layernorm, use_te=use_te)
         final_norm = TorchRMSNorm
-    if not use_te:  # TE's spec brings its own final norm
+    if info.num_moe_experts:  # MoE (and dense) layers by their index
+        if use_te:
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            final_norm = TENorm
+        layer_spec = moe.moe_block_spec(info, layer_spec, moe.moe_layer_spec(info, use_te), config,
+                                        _pp_rank(pg_collection), vp_stage, final_norm)
+    elif not use_te:  # TE's spec brings its own final norm
         layer_spec = torch_block_spec(layer_spec, config, _pp_rank(pg_collection), vp_stage,
                                       final_norm)
     model = GPTModel(
@@ -232,10 +243,11 @@ def build_model_for_layout(
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     layout = groups.layout
-    model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"], ep_rank=0, etp_rank=0,
-                                    force_reset_rng=True)
+    model_parallel_cuda_manual_seed(seed, tp_rank=groups.coords["tp"],
+                                    ep_rank=groups.ep_rank,
+                                    etp_rank=groups.coords["tp"], force_reset_rng=True)
     config = transformer_config(info, layout.tp, layout.pp, layout.cp, dtype,
-                                **config_overrides)
+                                ep=getattr(layout, "ep", 1), **config_overrides)
     model = build_gpt_model(info, config, pre_process=groups.is_first_stage,
                             post_process=groups.is_last_stage,
                             pg_collection=groups.pg_collection, use_te=use_te)

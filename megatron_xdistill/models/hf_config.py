@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_xdistill.models.longrope import LONGROPE_TYPES, longrope_parameters
+from megatron_xdistill.models.moe import MOE_ARCHITECTURES, moe_info_fields
 
 #: HF architecture -> family. Llama covers Llama 2/3.x and SmolLM; Mistral adds a sliding window.
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -26,6 +27,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
     "Phi3ForCausalLM": "phi3",
+    **MOE_ARCHITECTURES,
 }
 #: HF activation (``hidden_act`` / Gemma's ``hidden_activation``) -> gated MLP activation.
 SUPPORTED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -102,6 +104,15 @@ class ModelInfo:
     #: Attention softmax scale when not 1 / sqrt(kv_channels) (Gemma: query_pre_attn_scalar).
     softmax_scale: float | None = None
     attention_dropout: float = 0.0
+    #: Mixture of experts (:mod:`.moe`): experts per MoE layer (None = dense model), their FFN
+    #: width, experts per token, per layer 1 = MoE / 0 = dense (None = all MoE), top-k softmax
+    #: before the top-k (no renormalisation), load-balancing loss coefficient.
+    num_moe_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int | None = None
+    moe_layers: list[int] | None = None
+    moe_router_pre_softmax: bool = False
+    moe_aux_loss_coeff: float = 0.0
     init_method_std: float = 0.02
     hf_dtype: str = "float32"
     make_vocab_size_divisible_by: int = 128
@@ -255,7 +266,7 @@ def _sliding_window(cfg: dict[str, Any], family: str) -> tuple[int | None, list[
         if kinds == {"sliding_attention"}:
             return int(window), None
         return int(window), [int(t == "sliding_attention") for t in layer_types]
-    if family in ("mistral", "phi3") or cfg.get("use_sliding_window"):  # Phi-3: whenever set
+    if family in ("mistral", "mixtral", "phi3") or cfg.get("use_sliding_window"):  # Phi-3: whenever set
         return (int(window), None) if window else (None, None)
     return None, None
 
@@ -282,7 +293,8 @@ def _check_unsupported(cfg: dict[str, Any], family: str) -> None:
     if family == "phi3" and float(cfg.get("resid_pdrop") or 0.0):
         raise UnsupportedModelError(f"resid_pdrop={cfg['resid_pdrop']} (residual dropout) is not "
                                     "supported")
-    if cfg.get("num_experts") or cfg.get("num_local_experts"):
+    if family not in MOE_ARCHITECTURES.values() and (
+            cfg.get("num_experts") or cfg.get("num_local_experts")):
         raise UnsupportedModelError("mixture-of-experts models are not supported")
 
 
@@ -327,7 +339,7 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         rotary_base=base,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         add_qkv_bias=family == "qwen2",  # Qwen2 always has q/k/v bias (and none on o_proj)
-        qk_layernorm=family in ("qwen3", "gemma3"),
+        qk_layernorm=family in ("qwen3", "qwen3_moe", "gemma3"),
         rope_scaling=scaling,
         rotary_percent=rotary_percent,
         sliding_window=window,
@@ -342,6 +354,7 @@ def model_info_from_hf(hf_config: Any, make_vocab_size_divisible_by: int = 128) 
         hf_dtype=str(dtype).replace("torch.", ""),
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         hf_config=cfg,
+        **moe_info_fields(cfg, family),
     )
 
 

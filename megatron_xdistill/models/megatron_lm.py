@@ -137,6 +137,7 @@ def megatron_lm_cannot_express(info: ModelInfo) -> str | None:
         (info.embedding_multiplier is not None, "a scaled embedding"),
         (info.softmax_scale is not None, "a custom attention scale"),
         (info.activation != "silu", f"the {info.activation} activation"),
+        (bool(info.num_moe_experts), "mixture-of-experts layers (not written as MoE flags yet)"),
         (scaling is not None and (scaling.rope_type != "llama3" or (
             scaling.low_freq_factor, scaling.high_freq_factor,
             scaling.original_max_position_embeddings) != (1.0, 4.0, 8192)),

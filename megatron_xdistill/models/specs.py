@@ -50,9 +50,11 @@ def have_transformer_engine() -> bool:
 
 
 def gpt_layer_spec(
-    normalization: str = "RMSNorm", qk_layernorm: bool = False, use_te: bool | None = None
+    normalization: str = "RMSNorm", qk_layernorm: bool = False, use_te: bool | None = None,
+    num_experts: int | None = None,
 ) -> ModuleSpec:
-    """Transformer layer spec for a dense GPT model (no MoE).
+    """Transformer layer spec of a GPT model: dense, or with ``num_experts`` Megatron-Core's MoE
+    MLP (router + SequentialMLP experts, no grouped GEMM; see :mod:`.moe`).
 
     ``use_te=None`` picks TE when installed. ``normalization`` is "RMSNorm" or "LayerNorm".
     """
@@ -63,7 +65,8 @@ def gpt_layer_spec(
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=qk_layernorm)
 
     import warnings
 
@@ -73,7 +76,8 @@ def gpt_layer_spec(
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False,
+                                        normalization=normalization, qk_layernorm=qk_layernorm)
     layer = spec.submodules
     layer.self_attention.submodules.core_attention = TorchCoreAttention
     if normalization == "RMSNorm":

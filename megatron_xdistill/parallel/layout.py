@@ -46,6 +46,11 @@ class ModelParallelGroups:
         return slice_for_cp_rank(full, 1, self.coords["cp"], self.layout.cp)
 
     @property
+    def ep_rank(self) -> int:
+        """This rank's expert-parallel rank (0 without expert parallelism)."""
+        return self.layout.ep_rank(dist.get_rank() - self.rank_offset)
+
+    @property
     def is_first_stage(self) -> bool:
         return self.coords["pp"] == 0
 
@@ -65,8 +70,25 @@ def _embedding_groups(grid: HyperCommGrid, layout: ParallelLayout) -> tuple:
     return embd, pos_embd
 
 
+def _expert_groups(pgs: ProcessGroupCollection, layout: ParallelLayout, rank_offset: int) -> None:
+    """Expert-parallel groups as Megatron-Core's parallel_state makes them: a second grid over
+    the same ranks, TP (= expert TP) x EP x expert DP x PP, where EP x expert DP spans each
+    stage's CP x DP ranks."""
+    expert = HyperCommGrid(
+        [layout.tp, layout.ep, layout.cp * layout.dp // layout.ep, layout.pp],
+        ["tp", "ep", "dp", "pp"],
+        rank_offset=rank_offset,
+    )
+    pgs.ep = expert.create_pg("ep")
+    pgs.expt_dp = expert.create_pg("dp")
+    pgs.intra_expt_dp = pgs.expt_dp_gtp_remat = pgs.expt_dp
+    pgs.tp_ep = expert.create_pg(["tp", "ep"])
+    pgs.tp_ep_pp = expert.create_pg(["tp", "ep", "pp"])
+
+
 def build_model_parallel_groups(layout: ParallelLayout, rank_offset: int = 0) -> ModelParallelGroups:
-    """Create every process group a dense GPTModel, its DDP wrapper, optimizer and schedules use.
+    """Create every process group a GPTModel (dense or MoE), its DDP wrapper, optimizer and
+    schedules use.
 
     Collective: every rank of the world must call this with the same arguments, in the same order
     relative to other group creation (torch.distributed.new_group semantics).
@@ -93,6 +115,10 @@ def build_model_parallel_groups(layout: ParallelLayout, rank_offset: int = 0) ->
     pgs.expt_dp = pgs.dp_cp
     pgs.intra_dp_cp = pgs.dp_cp
     pgs.intra_expt_dp = pgs.dp_cp
+    pgs.dp_cp_gtp_remat = pgs.dp_cp  # no GTP weight rematerialisation
+    pgs.expt_dp_gtp_remat = pgs.expt_dp
+    if layout.ep > 1:
+        _expert_groups(pgs, layout, rank_offset)
     # One distributed-optimizer instance spanning the layout: its grad-norm / zero-count group.
     pgs.intra_dist_opt = grid.create_pg(["tp", "cp", "ep", "dp", "pp"])
     pgs.embd, pgs.pos_embd = _embedding_groups(grid, layout)

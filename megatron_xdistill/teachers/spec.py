@@ -42,6 +42,7 @@ _FLAG_OF = {
     "tensor_model_parallel_size": "teacher_tensor_model_parallel_size",
     "pipeline_model_parallel_size": "teacher_pipeline_model_parallel_size",
     "context_parallel_size": "teacher_context_parallel_size",
+    "expert_model_parallel_size": "teacher_expert_model_parallel_size",
     "sequence_parallel": "teacher_sequence_parallel",
     "seq_length": "teacher_seq_length",
     "kd_loss": "kd_loss",
@@ -60,7 +61,8 @@ _FLAG_OF = {
 }
 _TYPES = {"load": str, "tokenizer_model": str, "projection_path": str,
           "tensor_model_parallel_size": int, "pipeline_model_parallel_size": int,
-          "context_parallel_size": int, "sequence_parallel": bool, "seq_length": int,
+          "context_parallel_size": int, "expert_model_parallel_size": int,
+          "sequence_parallel": bool, "seq_length": int,
           "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_gold_topk": int,
           "kd_gold_uncommon_topk": int, "kd_temperature": float,
           "kd_reverse": bool, "gkd_beta": float, "kd_skip_student_split_chunks": bool,
@@ -93,6 +95,7 @@ class TeacherSpec:
     weight: float
     ranks: int | None = None  # disaggregated: how many ranks serve this teacher
     cache: str | None = None  # its teacher payload cache directory
+    expert_model_parallel_size: int = 1  # EP of a mixture-of-experts teacher
 
     def view(self, args: argparse.Namespace) -> argparse.Namespace:
         """The run's arguments as this teacher sees them: a copy with this teacher's values in

@@ -78,6 +78,16 @@ TINY_FAMILIES: dict[str, TinyFamily] = {
     # shorter than the test sequences; the Llama-2 SentencePiece vocabulary plus 64 added.
     "phi3": TinyFamily("Phi3Config", "Phi3ForCausalLM", 32064, "mistral", dict(
         tie_word_embeddings=False, sliding_window=7, rope_theta=10000.0)),
+    # Qwen3-MoE: 4 experts, top-2 without renormalisation, layer 1 dense (each PP=2 stage has an
+    # MoE and a dense layer), expert FFN narrower than the dense one.
+    "qwen3_moe": TinyFamily("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 151936, "qwen2", dict(
+        tie_word_embeddings=False, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        router_aux_loss_coef=0.01)),
+    # Mixtral: 4 experts, top-2 renormalised, sliding window.
+    "mixtral": TinyFamily("MixtralConfig", "MixtralForCausalLM", 32000, "mistral", dict(
+        tie_word_embeddings=False, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, router_aux_loss_coef=0.02)),
 }
 
 

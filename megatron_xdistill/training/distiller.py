@@ -150,7 +150,8 @@ class Distiller:
         self.placement = placement = Placement.from_args(args, world)
         self.student_layout = ParallelLayout.for_world(
             placement.student_size, args.tensor_model_parallel_size, args.context_parallel_size,
-            args.pipeline_model_parallel_size, who="student")
+            args.pipeline_model_parallel_size, who="student",
+            ep=args.expert_model_parallel_size)
         specs = getattr(args, "teachers", None) or [single_teacher(args)]
         self.combination = Combination.of(specs, getattr(args, "teacher_combination", "sum"))
         same_tokenizer = same_tokenizer or [False] * len(specs)
@@ -158,7 +159,8 @@ class Distiller:
         teacher_layouts = [ParallelLayout.for_world(
             placement.teacher_size_of(k), v.teacher_tensor_model_parallel_size,
             v.teacher_context_parallel_size, v.teacher_pipeline_model_parallel_size,
-            who=f"teacher {v.teacher_name!r}") for k, v in enumerate(views)]
+            who=f"teacher {v.teacher_name!r}", ep=v.teacher_expert_model_parallel_size)
+            for k, v in enumerate(views)]
         # Sequence parallelism gathers into Megatron's global scratch buffer, which
         # initialize_model_parallel would make; these layouts come from pg_collections instead.
         if parallel_state._GLOBAL_MEMORY_BUFFER is None:
@@ -377,6 +379,8 @@ class Distiller:
         out = {"kd": report.kd, "ce": report.ce, "top1_agree": report.top1_agree,
                "grad_norm": report.grad_norm, "lr": report.lr, "skipped": int(report.skipped),
                "chunks": int(report.chunks), "tokens": int(report.tokens)}
+        if report.load_balancing_loss is not None:  # an MoE student, as Megatron-LM logs it
+            out["load_balancing_loss"] = report.load_balancing_loss
         if not self.ce_only:  # CE only: no teacher ran, no positions to fill
             out["teacher_fill"] = round(report.teacher_fill, 4)
         out.update(source, shipped_bytes_per_token=round(
@@ -426,6 +430,12 @@ class Distiller:
         """Student CE and bits per byte on held-out batches (forward only; collective over the
         student ranks, nothing to do on disaggregated teacher ranks)."""
         return {} if self.student is None else self.student.evaluate(batches, self.kds[0])
+
+    def evaluate_tasks(self, tasks: list[str], limit: int | None, tokenizer) -> dict[str, float]:
+        """lm-eval task scores of the student (collective over the student ranks; nothing on
+        disaggregated teacher ranks)."""
+        return {} if self.student is None else self.student.evaluate_tasks(tasks, limit,
+                                                                           tokenizer)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: str, iteration: int, common: dict) -> str:

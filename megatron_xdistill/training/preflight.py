@@ -86,7 +86,23 @@ def run_preflight(args: argparse.Namespace, found: Preflight) -> Preflight:
                    lambda: check_projections(args, tokenizers))
         found.step("data files (first records)", lambda: check_data(args))
         found.step("teacher caches", lambda: check_teacher_caches(args, tokenizers))
+        if args.eval_tasks:
+            found.step("--eval-tasks' data on this machine", lambda: check_eval_tasks(args))
     return found
+
+
+def check_eval_tasks(args: argparse.Namespace) -> None:
+    """Every --eval-tasks task builds from data on this machine (the hub switched off), so a
+    missing dataset is refused now and not at the first evaluation."""
+    try:
+        from megatron_xdistill.evaluation.lm_eval_tasks import TaskUnavailable, check_tasks_offline
+    except ImportError as err:  # an optional extra
+        raise InputError(f"--eval-tasks needs lm-evaluation-harness ({err}): pip install "
+                         "'megatron-xdistill[eval]'") from err
+    try:
+        check_tasks_offline(args.eval_tasks)
+    except TaskUnavailable as err:
+        raise InputError(f"--eval-tasks: {err}") from err
 
 
 def _sides(args: argparse.Namespace) -> list[tuple[str, str, str, argparse.Namespace]]:
@@ -133,7 +149,9 @@ def check_models(args: argparse.Namespace) -> None:
         tp = getattr(view, f"{side}tensor_model_parallel_size")
         pp = getattr(view, f"{side}pipeline_model_parallel_size")
         several = not prefix.startswith("--")
+        ep = getattr(view, f"{side}expert_model_parallel_size", 1)
         for what, total, size, flag in (
+                ("experts", info.num_moe_experts or 1, ep, "expert-model-parallel-size"),
                 ("attention heads", info.num_attention_heads, tp, "tensor-model-parallel-size"),
                 ("query groups (KV heads)", info.num_query_groups, tp,
                  "tensor-model-parallel-size"),

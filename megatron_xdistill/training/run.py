@@ -148,7 +148,8 @@ def _train(args, started: float) -> int:
         return fill_teacher_cache(args, distiller, caches, steps, _log)
     eval_batches = _evaluation_batches(args, tokenizers, distiller, valid_numbering, loaded)
     loaded.clear()  # rank 0's whole corpus: planned, no longer needed
-    return _loop(args, distiller, steps, eval_batches, caches, iteration, started)
+    return _loop(args, distiller, steps, eval_batches, caches, iteration, started,
+                 tokenizers.student_tokenizer)
 
 
 def _rollout_steps(args, tokenizers, distiller, iteration: int):
@@ -245,8 +246,12 @@ def _evaluation_batches(args, tokenizers, distiller, valid_numbering, loaded):
     return eval_batches
 
 
-def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started: float) -> int:
-    """The training loop: steps, logging, evaluation, checkpoints, stopping."""
+def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started: float,
+          student_tokenizer=None) -> int:
+    """The training loop: steps, logging, evaluation, checkpoints, stopping. Evaluation (the
+    held-out text, the --eval-tasks) comes at iteration 0 of a fresh run, every
+    --eval-interval iterations and at the last one; a resumed run starts after its
+    checkpoint's iteration, whose evaluation came before the checkpoint was saved."""
     from megatron_xdistill.training.metrics import MetricsWriter
     from megatron_xdistill.training.preemption import StopRequest
     from megatron_xdistill.training.run_log import IterationLog, validation_line
@@ -266,11 +271,16 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
                          student.info if student is not None else None,
                          [lane.side.info for lane in distiller.lanes])
 
+    evaluates = eval_batches is not None or bool(args.eval_tasks)
+
     def evaluate() -> None:
         record = {"iteration": iteration, **distiller.evaluate(eval_batches)}
+        if args.eval_tasks:
+            record.update(distiller.evaluate_tasks(args.eval_tasks, args.eval_limit,
+                                                   student_tokenizer))
         writer.write(record, line=validation_line(record))
 
-    if eval_batches is not None and iteration == 0:
+    if evaluates and iteration == 0:
         evaluate()
     last = time.perf_counter()
     tokens_since, steps_since = 0, 0
@@ -301,8 +311,8 @@ def _loop(args, distiller, steps, eval_batches, caches, iteration: int, started:
                 record.update(lines.figures(record, iteration))
                 writer.write(record, line=lines.line(record))
                 last, tokens_since, steps_since = now, 0, 0
-            if eval_batches is not None and args.eval_interval and (
-                    iteration % args.eval_interval == 0 or iteration == args.train_iters):
+            if evaluates and (iteration == args.train_iters or (
+                    args.eval_interval and iteration % args.eval_interval == 0)):
                 evaluate()
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 path = distiller.save(args.save, iteration, checkpoint_common(args, iteration))

@@ -171,6 +171,7 @@ class IterationLog:
         for key in sorted(k for k in record if k.startswith("kd/")):
             add(f"kd loss ({key[3:]})", key, ".6E")
         add("top-1 agreement", "top1_agree", ".4f")
+        add("load_balancing_loss", "load_balancing_loss", ".6E")
         add("loss scale", "loss_scale", ".1f")
         add("grad norm", "grad_norm", ".3f")
         add("number of skipped iterations", "skipped", "d")
@@ -194,6 +195,8 @@ def validation_line(record: Mapping) -> str:
         parts += [f"lm loss value: {ce:.6E}", f"lm loss PPL: {math.exp(min(ce, 700)):.6E}"]
     if record.get("eval_bpb") is not None:
         parts.append(f"bits per byte: {record['eval_bpb']:.4f}")
+    parts += [f"{key}: {value:.4f}" for key, value in record.items()
+              if "/" in key and isinstance(value, float)]  # --eval-tasks' metrics
     return " | ".join(parts)
 
 

@@ -8,6 +8,7 @@ batch), so every layout computes the same loss and gradients.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class StepReport:
     teacher_fill: float
     teacher_seconds: float
     teachers: list[dict] | None = None  # several teachers: each one's kd, top1, chunks, fill
+    #: An MoE student's load-balancing loss (per MoE layer, mean over micro-batches and DP, as
+    #: Megatron-LM logs it; its gradient is in the step's); None for a dense student.
+    load_balancing_loss: float | None = None
 
 
 class StudentSide:
@@ -268,6 +272,7 @@ class StudentSide:
                                tokens=lambda m: m.batch["tokens"], loss_func=loss_func,
                                seq_length=self.side_config.seq_length, micro_batch_size=self.mbs,
                                device=self.device, forward_only=False)
+        balance = self._load_balancing_loss()
         t1 = device_now(self.device)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         ok, grad_norm, _ = self.optimizer.step()
@@ -287,8 +292,27 @@ class StudentSide:
                 report[width + 1:] = per_teacher[:, [0, 3]].reshape(-1).to(report)
         # Sums over DP x CP shares (and the last stage only), over the student ranks.
         dist.all_reduce(report, group=self.world)
-        return self._report(report.cpu(), width, per_teacher, combination, n_tokens,
+        step = self._report(report.cpu(), width, per_teacher, combination, n_tokens,
                             distils=payloads is not None, lr=lr, ok=ok, grad_norm=grad_norm)
+        return dataclasses.replace(step, load_balancing_loss=balance)
+
+    def _load_balancing_loss(self) -> float | None:
+        """The MoE routers' load-balancing loss of the step just run, from Megatron-Core's MoE
+        metrics tracker as Megatron-LM's training log reads it (scaled by 1 / micro-batches,
+        averaged over MoE layers and DP; collective over the student's ranks); None for a
+        dense student or a zero coefficient. The loss itself entered the gradients through the
+        routers' ``MoEAuxLossAutoScaler`` during the backward, as in Megatron-LM."""
+        if not self.info.num_moe_experts or not self.config.moe_aux_loss_coeff:
+            return None
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        totals: dict = {}
+        get_moe_metrics_tracker().report(
+            loss_scale=1.0 / self.num_microbatches, iteration=0,
+            track_names=["load_balancing_loss"], num_layers=self.config.num_layers,
+            moe_layer_freq=self.config.moe_layer_freq, force_initialize=True,
+            total_loss_dict=totals, pg_collection=self.groups.pg_collection)
+        return float(totals["load_balancing_loss"])
 
     @staticmethod
     def _report(report: torch.Tensor, width: int, per_teacher: torch.Tensor,
@@ -335,7 +359,9 @@ class StudentSide:
 
     def evaluate(self, batches: list[dict], kd: KDObjective) -> dict[str, float]:
         """CE and bits per byte on held-out batches (forward only; collective over the student
-        ranks)."""
+        ranks); nothing without held-out data."""
+        if batches is None:
+            return {}
         groups = self.groups
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # nats, tokens, bytes
 
@@ -361,6 +387,19 @@ class StudentSide:
         nats, tokens, num_bytes = totals.tolist()
         return {"eval_ce": nats / max(tokens, 1.0),
                 "eval_bpb": nats / (math.log(2) * max(num_bytes, 1.0)), "eval_tokens": int(tokens)}
+
+    def evaluate_tasks(self, tasks: list[str], limit: int | None, tokenizer) -> dict[str, float]:
+        """lm-eval task scores of the student in its training layout (every student rank runs
+        the harness in lockstep; :mod:`megatron_xdistill.evaluation.lm_eval_backend`)."""
+        from megatron_xdistill.evaluation.lm_eval_backend import XDistillLM
+        from megatron_xdistill.evaluation.lm_eval_tasks import evaluate_tasks
+        from megatron_xdistill.evaluation.parallel_model import ParallelModel
+
+        model = ParallelModel(self.model, self.groups, self.info.vocab_size,
+                              self.info.max_position_embeddings, self.device)
+        lm = XDistillLM(model=model, tokenizer=tokenizer, batch_size=max(self.mbs, 1))
+        with self.whole_parameters():
+            return evaluate_tasks(lm, tasks, limit)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, root: str, iteration: int, common: dict, partial_world: bool,

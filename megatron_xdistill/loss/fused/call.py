@@ -23,10 +23,10 @@ import torch
 from megatron_xdistill.loss.collectives import Group
 from megatron_xdistill.loss.fused.layout import (
     CrossEntropy,
+    GradientTarget,
     RowLayout,
     cross_entropy_inputs,
     log_partition,
-    next_pow2,
 )
 
 #: the environment switch: "0" never, "1" always (CPU tensors need TRITON_INTERPRET=1), unset:
@@ -86,10 +86,14 @@ def takes(form_kernel: str, logits: torch.Tensor) -> bool:
             and logits.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def group_rows(row_bytes: int, logits: torch.Tensor, budget: int | None) -> int:
+def group_rows(row_bytes: int, logits: torch.Tensor, budget: int | None,
+               whole_rows: bool = False) -> int:
     """Rows a group takes: its buffers within ``budget`` bytes (None: a tenth of the logits'
-    bytes, at least 16 MiB)."""
+    bytes, at least 16 MiB; with ``whole_rows``, where the whole-row kernels hold a few scratch
+    rows per program whatever the group's size, every row in one group)."""
     if budget is None:
+        if whole_rows:
+            return 1 << 62
         budget = max(logits.numel() * logits.element_size() // 10, 16 << 20)
     return max(1, int(budget) // max(row_bytes, 1))
 
@@ -159,64 +163,49 @@ class FusedCall:
         without either)."""
         dev = logits2d.device
         weights = upstream if upstream is not None else self.grad_weights
-        grad = weights is not None
-        out = None
-        if grad:
-            out = logits2d if self.into_logits else torch.empty_like(logits2d)
-        dot = torch.zeros(logits2d.shape[0], dtype=torch.float32, device=dev) \
-            if grad and self.image else None
+        target = None if weights is None else self._target(logits2d, weights)
         kd = torch.zeros((), dtype=torch.float64, device=dev)
         top1 = torch.zeros((), dtype=torch.float64, device=dev)
         x = logits2d[:, : self.num_real]
         scale = 1.0 / self.temp
+        lse = self.lse if self.image else self.lse_sum
         for group in self.layout.groups:
-            if self.image:
-                kl, t1, h = self.form.run(x, scale, self.lse, self.layout, group, grad, dot)
-                hsum = None
-            else:
-                kl, t1, h, hsum = self.form.run(x, scale, self.lse_sum, self.layout, group,
-                                                grad)
+            kl, t1 = self.form.run(x, scale, lse, self.layout, group, target)
             kd += (kl * group.weight.double() * group.counted).sum()
             top1 += (t1 & group.counted).double().sum()
-            if grad:
-                self._write(out, logits2d, group, h, hsum, dot, weights)
-        if grad:
-            self._write_plain(out, logits2d, weights)
-        return kd, top1, out
+        if target is not None:
+            self._write_plain(target)
+        return kd, top1, None if target is None else target.out
 
-    # ----------------------------------------------------------------- gradient
-    def _ce_coef(self, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(CE's weight per position, label column, T = 1 log-partition) for the writers."""
-        ce = self.ce
-        return ((ce.has_label * b).float().contiguous(), ce.label_col.contiguous(),
-                ce.lse.contiguous())
-
-    def _write(self, out, logits2d, group, h, hsum, dot, weights) -> None:
-        from megatron_xdistill.loss.gpu import triton_rows
-
+    def _target(self, logits2d: torch.Tensor, weights) -> GradientTarget:
+        """Where this pass writes the gradient of a * kd_sum + b * ce_sum."""
+        dev = logits2d.device
         a, b = weights
-        coef = self.form.coefficient(torch.as_tensor(a, device=out.device), group, self.temp)
-        has_ce = self.ce is not None
-        ce_coef, label, lse1 = self._ce_coef(b) if has_ce else (coef, coef, coef)
-        triton_rows.chunk_gradient[(group.size,)](
-            out, out.stride(0), logits2d, logits2d.stride(0), logits2d.shape[1], self.num_real,
-            1.0 / self.temp, self.lse, self.layout.first, self.layout.length, group.rows, h,
-            h.stride(0), coef, dot if dot is not None else coef,
-            hsum if hsum is not None else coef, ce_coef, label, lse1, IMAGE=self.image,
-            CE=has_ce, CE_OWN=has_ce and self.temp != 1.0, BLOCK=_block(logits2d.shape[1]))
+        out = logits2d if self.into_logits else torch.empty_like(logits2d)
+        ce = self.ce
+        if ce is not None:
+            ce_coef = (ce.has_label * torch.as_tensor(b, device=dev)).float().contiguous()
+            label, lse1 = ce.label_col.contiguous(), ce.lse.contiguous()
+        else:
+            ce_coef, label, lse1 = self.lse, self.lse, self.lse  # not read
+        dot = torch.zeros(logits2d.shape[0], dtype=torch.float32, device=dev) if self.image \
+            else self.lse
+        return GradientTarget(out, logits2d, self.num_real, self.temp, self.lse, self.layout,
+                              torch.as_tensor(a, dtype=torch.float32, device=dev), ce_coef,
+                              label, lse1, ce is not None,
+                              ce is not None and self.temp != 1.0, dot)
 
-    def _write_plain(self, out, logits2d, weights) -> None:
+    def _write_plain(self, target: GradientTarget) -> None:
+        """The gradient of the positions that predict no chunk row: CE's, or 0."""
         from megatron_xdistill.loss.gpu import triton_rows
 
-        n = logits2d.shape[0]
-        if n == 0:
+        x = target.logits
+        if x.shape[0] == 0:
             return
-        has_ce = self.ce is not None
-        ce_coef, label, lse1 = self._ce_coef(weights[1]) if has_ce else (self.lse,) * 3
-        triton_rows.plain_gradient[(n,)](
-            out, out.stride(0), logits2d, logits2d.stride(0), logits2d.shape[1], self.num_real,
-            self.layout.pos_row, ce_coef, label, lse1, CE=has_ce,
-            BLOCK=_block(logits2d.shape[1]))
+        triton_rows.plain_gradient[(x.shape[0],)](
+            target.out, target.out.stride(0), x, x.stride(0), x.shape[1], self.num_real,
+            self.layout.pos_row, target.ce_coef, target.label, target.lse1, CE=target.has_ce,
+            BLOCK=target.block)
 
     def gradient(self, logits: torch.Tensor, g_kd, g_ce) -> torch.Tensor:
         """The backward of a call whose forward did not write the gradient: the passes again,
@@ -240,10 +229,6 @@ class FusedCall:
         if self.into_logits:
             torch.autograd.graph.increment_version(grad)
         return grad.view(shape)
-
-
-def _block(width: int) -> int:
-    return min(2048, next_pow2(max(width, 16)))
 
 
 class _FusedFunction(torch.autograd.Function):

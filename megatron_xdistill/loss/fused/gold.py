@@ -15,11 +15,22 @@ from __future__ import annotations
 
 import torch
 
-from megatron_xdistill.loss.collectives import Group, all_gather, all_reduce, group_rank
+from megatron_xdistill.loss.collectives import (
+    Group,
+    all_gather,
+    all_reduce,
+    group_rank,
+    group_size,
+)
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
-from megatron_xdistill.loss.fused.layout import RowGroup, RowLayout, next_pow2
+from megatron_xdistill.loss.fused.layout import GradientTarget, RowGroup, RowLayout, next_pow2
 
 _INT_MAX = 2147483647
+
+
+#: one TP rank, rows held whole: every step of a row in one persistent kernel (tests turn it
+#: off to run the one-step kernels alike)
+WHOLE_ROWS = True
 
 
 def _beta_kind(beta: float) -> int:
@@ -55,13 +66,56 @@ class GoldPass:
         return 4 * (2 * self.num_real + 3 * self.n + 512)
 
     def run(self, x: torch.Tensor, scale: float, lse_sum: torch.Tensor, layout: RowLayout,
-            group: RowGroup, grad: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(KL [g] float64, top-1 [g] bool, h [g, V_real], sum of h over V [g]; the last two
-        None without ``grad``) of ``group``. ``lse_sum`` [R + 1]: each row's summed
-        TP-wide log-partitions."""
-        from megatron_xdistill.loss.gpu import triton_gold  # Triton: only where the passes run
+            group: RowGroup, target: GradientTarget | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KL [g] float64, top-1 [g] bool) of ``group``; with a ``target`` the gradient of its
+        rows' positions written there. ``lse_sum`` [R + 1]: each row's summed TP-wide
+        log-partitions. One TP rank and rows held whole: every step of a row in one persistent
+        kernel (:func:`gpu.triton_gold.gold_rows`); else a kernel a step with the TP / CP sums
+        between them."""
+        if WHOLE_ROWS and group_size(self.tp_group) == 1 and not group.split:
+            return self._whole_rows(x, scale, lse_sum, layout, group, target)
+        return self._by_steps(x, scale, lse_sum, layout, group, target)
 
+    def _whole_rows(self, x, scale, lse_sum, layout, group, target):
+        from megatron_xdistill.loss.gpu import triton_gold
+
+        n_rows, dev, n = group.size, x.device, self.n
+        programs = min(n_rows, 8 if dev.type != "cuda"
+                       else 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
+        s = torch.empty(programs, self.num_real, dtype=torch.float32, device=dev)
+        grad = target is not None
+        h = torch.empty_like(s) if grad else s
+        values = torch.zeros(programs, max(n, 1), dtype=torch.float32, device=dev)
+        cols = torch.zeros(programs, max(n, 1), dtype=torch.int32, device=dev)
+        slots = torch.zeros(programs, max(n, 1), dtype=torch.float32, device=dev)
+        kl = torch.empty(n_rows, dtype=torch.float64, device=dev)
+        best_at = torch.empty(n_rows, dtype=torch.int32, device=dev)
+        lsum = lse_sum.index_select(0, group.rows).float()
+        count = group.count.float().contiguous()
+        lse = target.lse if grad else lsum
+        out = target.out if grad else x
+        coef = self.coefficient(target.kd_weight, group, target.temperature) if grad else lsum
+        ce = (target.ce_coef, target.label, target.lse1) if grad else (lsum, lsum, lsum)
+        block = min(2048, next_pow2(max(self.num_real, 16)))
+        triton_gold.gold_rows[(programs,)](
+            x, x.stride(0), layout.first, layout.length, group.rows, group.keys, count, lsum,
+            n_rows, self.num_real, float(scale), s, s.stride(0), h, h.stride(0), values, cols,
+            slots, self.logprobs, self.logprobs.stride(0), self.pair_col, self.pair,
+            int(self.pair.numel()), self.is_common, self.teacher_sorted,
+            self.teacher_sorted.stride(0), n, kl, best_at, lse, out, out.stride(0),
+            out.shape[1], coef, *ce, float(self.beta), BETA_KIND=_beta_kind(self.beta),
+            GRAD=grad, CE=grad and target.has_ce, CE_OWN=grad and target.ce_own, BLOCK=block,
+            PAIR_BLOCK=min(1024, next_pow2(max(int(self.pair.numel()), 16))),
+            LIST_BLOCK=next_pow2(max(n, 1)))
+        top1 = ((best_at.long() == self.teacher_best.index_select(0, group.keys))
+                if self.num_common else torch.zeros(n_rows, dtype=torch.bool, device=dev))
+        return kl, top1
+
+    def _by_steps(self, x, scale, lse_sum, layout, group, target):
+        from megatron_xdistill.loss.gpu import triton_gold
+
+        grad = target is not None
         n_rows, dev = group.size, x.device
         block = min(2048, next_pow2(max(self.num_real, 16)))
         s = torch.empty(n_rows, self.num_real, dtype=torch.float32, device=dev)
@@ -102,11 +156,12 @@ class GoldPass:
             kl = kl + l1
             if grad:
                 h.scatter_(1, torch.where(cols >= 0, cols, self.num_real).long(), slots)
-        if not grad:
-            return kl, top1, None, None
-        h = h[:, : self.num_real]
-        hsum = all_reduce(h.sum(1), self.tp_group)
-        return kl, top1, h, hsum
+        if grad:
+            h = h[:, : self.num_real]
+            hsum = all_reduce(h.sum(1), self.tp_group)
+            coef = self.coefficient(target.kd_weight, group, target.temperature)
+            target.write(group, h, coef, image=False, hsum=hsum)
+        return kl, top1
 
     def _uncommon(self, s, lsum, count, keys, n_rows: int, block: int, grad: bool):
         """(sorted L1 [g] float64, its gradient on a at each list slot [g, n], each slot's

@@ -19,11 +19,18 @@ from megatron_xdistill.loss.collectives import Group, all_reduce, group_size
 from megatron_xdistill.loss.definitions.common import EPS, TINY
 from megatron_xdistill.loss.definitions.formulas import teacher_only_terms
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
-from megatron_xdistill.loss.fused.layout import RowGroup, RowLayout, next_pow2
+from megatron_xdistill.loss.fused.layout import GradientTarget, RowGroup, RowLayout, next_pow2
 from megatron_xdistill.loss.kernels.image_projection import ImageProjection
 
 #: columns a tile of I (the gather's tiles are sorted by W's entries per column)
 IMAGE_BLOCK = 512
+#: programs of the whole-row kernel off CUDA (Triton's interpreter: scratch rows only)
+_PROGRAMS = {"cpu": 8}
+
+
+def _block(width: int) -> int:
+    """Columns a tile of a row of the student's vocabulary."""
+    return min(2048, next_pow2(max(width, 16)))
 
 
 @dataclass
@@ -72,6 +79,11 @@ class ImageTables:
                    row_col, row_weight)
 
 
+#: one TP rank, rows held whole: every step of a row in one persistent kernel (tests turn it
+#: off to run the one-step kernels alike)
+WHOLE_ROWS = True
+
+
 def _beta_kind(beta: float) -> int:
     return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
 
@@ -94,54 +106,97 @@ class ImagePass:
         return 4 * (self.num_real + self.proj.size)
 
     def run(self, x: torch.Tensor, scale: float, lse: torch.Tensor, layout: RowLayout,
-            group: RowGroup, grad: bool, dot: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(KL [g] float64, top-1 [g] bool, h [g, V_real] or None) of ``group``: with ``grad``
-        h is the KL's gradient on the rows' summed softmax and ``dot`` [N] gets each of their
-        positions' <p, h> (summed over TP)."""
-        from megatron_xdistill.loss.gpu import triton_image  # Triton: only where the passes run
+            group: RowGroup, target: GradientTarget | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KL [g] float64, top-1 [g] bool) of ``group``; with a ``target`` the gradient of its
+        rows' positions written there. One TP rank and rows held whole: every step of a row in
+        one persistent kernel (:func:`gpu.triton_image.image_rows`); else a kernel a step with
+        the TP / CP sums between them."""
+        n_rows, dev = group.size, x.device
+        value = torch.zeros(n_rows, dtype=torch.float64, device=dev)
+        at = torch.zeros(n_rows, dtype=torch.int32, device=dev)
+        if self.proj.size == 0:
+            if target is not None:  # q = 0 everywhere: the KL's gradient is 0, CE's is not
+                target.dot[group.lo: group.hi] = 0.0
+                target.write(group, x.new_zeros(n_rows, self.num_real, dtype=torch.float32),
+                             self._coef(target, group), image=True)
+        elif WHOLE_ROWS and group_size(self.tp_group) == 1 and not group.split:
+            self._whole_rows(x, scale, lse, layout, group, target, value, at)
+        else:
+            self._by_steps(x, scale, lse, layout, group, target, value, at)
+        kl = value + self.outside.index_select(0, group.keys)
+        if self.proj.size == 0:
+            return kl, torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        top1 = (self.proj.image.index_select(0, at.long()) ==
+                self.teacher_argmax.index_select(0, group.keys))
+        return kl, top1
+
+    def _coef(self, target: GradientTarget, group: RowGroup) -> torch.Tensor:
+        return self.coefficient(target.kd_weight, group, target.temperature)
+
+    def _whole_rows(self, x, scale, lse, layout, group, target, value, at) -> None:
+        from megatron_xdistill.loss.gpu import triton_image
 
         n_rows, n_image, dev = group.size, self.proj.size, x.device
-        block = min(2048, next_pow2(max(self.num_real, 16)))
+        programs = min(n_rows, _PROGRAMS.get(dev.type, 8) if dev.type != "cuda"
+                       else 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
+        s = torch.empty(programs, self.num_real, dtype=torch.float32, device=dev)
+        u = torch.empty(programs, n_image, dtype=torch.float32, device=dev)
+        t = self.tables
+        grad = target is not None
+        out = target.out if grad else x
+        coef = self._coef(target, group) if grad else value
+        ce = (target.ce_coef, target.label, target.lse1) if grad else (lse, lse, lse)
+        dot = target.dot if grad else lse
+        table = self.tables
+        triton_image.image_rows[(programs,)](
+            x, x.stride(0), lse, layout.first, layout.length, group.rows, group.keys, n_rows,
+            self.num_real, float(scale), s, s.stride(0), u, u.stride(0), t.order, t.start,
+            t.degree, t.tile_degree, t.student, t.weight, n_image, self.probs,
+            self.probs.stride(0), value, at, dot, table.row_col, table.row_weight,
+            table.row_col.shape[1], out, out.stride(0), out.shape[1], coef, *ce,
+            float(self.beta), TINY, EPS, BETA_KIND=_beta_kind(self.beta), GRAD=grad,
+            CE=grad and target.has_ce, CE_OWN=grad and target.ce_own,
+            BLOCK=_block(self.num_real), IMAGE_BLOCK=IMAGE_BLOCK,
+            DIV_BLOCK=min(2048, next_pow2(n_image)))
+
+    def _by_steps(self, x, scale, lse, layout, group, target, value, at) -> None:
+        from megatron_xdistill.loss.gpu import triton_image
+
+        n_rows, n_image, dev = group.size, self.proj.size, x.device
+        block = _block(self.num_real)
         s = torch.empty(n_rows, self.num_real, dtype=torch.float32, device=dev)
         triton_image.chunk_prob_sums[(n_rows,)](
             x, x.stride(0), lse, layout.first, layout.length, group.rows, self.num_real,
             float(scale), s, s.stride(0), BLOCK=block)
         u = torch.zeros(n_rows, n_image, dtype=torch.float32, device=dev)
         t = self.tables
-        if n_image:
-            triton_image.project_on_image[(n_rows,)](
-                s, s.stride(0), u, u.stride(0), t.order, t.start, t.degree, t.tile_degree,
-                t.student, t.weight, n_image, BLOCK=IMAGE_BLOCK)
+        triton_image.project_on_image[(n_rows,)](
+            s, s.stride(0), u, u.stride(0), t.order, t.start, t.degree, t.tile_degree,
+            t.student, t.weight, n_image, BLOCK=IMAGE_BLOCK)
         all_reduce(u, self.tp_group)
         if group.split:
             all_reduce(u, self.cp_group)
         mass = u.sum(1)
-        value = torch.empty(n_rows, dtype=torch.float64, device=dev)
-        at = torch.zeros(n_rows, dtype=torch.int32, device=dev)
-        if n_image:
-            triton_image.image_divergence[(n_rows,)](
-                u, u.stride(0), mass, self.probs, self.probs.stride(0), group.keys, value, at,
-                n_image, float(self.beta), TINY, EPS, BETA_KIND=_beta_kind(self.beta),
-                GRAD=grad, BLOCK=min(2048, next_pow2(n_image)))
-        else:
-            value.zero_()
-        kl = value + self.outside.index_select(0, group.keys)
-        top1 = (self.proj.image.index_select(0, at.long()) ==
-                self.teacher_argmax.index_select(0, group.keys)) if n_image else \
-            torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        grad = target is not None
+        triton_image.image_divergence[(n_rows,)](
+            u, u.stride(0), mass, self.probs, self.probs.stride(0), group.keys, value, at,
+            n_image, float(self.beta), TINY, EPS, BETA_KIND=_beta_kind(self.beta),
+            GRAD=grad, BLOCK=min(2048, next_pow2(n_image)))
         if not grad:
-            return kl, top1, None
+            return
         h = s  # s is not read again
-        lo, hi = group.lo, group.hi
         table = self.tables
         triton_image.pull_back[(n_rows,)](
             u, u.stride(0), h, h.stride(0), x, x.stride(0), lse, layout.first, layout.length,
-            group.rows, dot, table.row_col, table.row_weight, table.row_col.shape[1],
+            group.rows, target.dot, table.row_col, table.row_weight, table.row_col.shape[1],
             self.num_real, float(scale), BLOCK=block)
-        if group_size(self.tp_group) > 1:  # the group's positions, contiguous
-            all_reduce(dot[lo:hi], self.tp_group)
-        return kl, top1, h
+        if group_size(self.tp_group) > 1:
+            if group.split:
+                all_reduce(target.dot, self.tp_group)  # the split rows' positions, anywhere
+            else:  # the group's positions, contiguous
+                all_reduce(target.dot[group.lo: group.hi], self.tp_group)
+        target.write(group, h, self._coef(target, group), image=True)
 
     @staticmethod
     def coefficient(weight: torch.Tensor, group: RowGroup, temperature: float

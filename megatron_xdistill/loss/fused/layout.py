@@ -144,5 +144,46 @@ def cross_entropy_inputs(x: torch.Tensor, labels: torch.Tensor, vocab_start: int
     return CrossEntropy(lse, label_col, (labels >= 0).to(torch.float32), picked)
 
 
-__all__ = ["CrossEntropy", "RowGroup", "RowLayout", "cross_entropy_inputs", "log_partition",
-           "next_pow2", "row_layout"]
+@dataclass
+class GradientTarget:
+    """Where a call's gradient goes and what every writer of it reads: ``out`` [N, V_local]
+    (the logits' dtype), the logits, T, the TP-wide log-partitions, the loss's weight on the KD
+    sum ``kd_weight`` (a scalar tensor), CE's per-position weight, label column and T = 1
+    log-partition (``has_ce``; ``ce_own``: T != 1), and [N] scratch for the exact form's
+    <p, h> per position."""
+
+    out: torch.Tensor
+    logits: torch.Tensor
+    num_real: int
+    temperature: float
+    lse: torch.Tensor
+    layout: RowLayout
+    kd_weight: torch.Tensor
+    ce_coef: torch.Tensor
+    label: torch.Tensor
+    lse1: torch.Tensor
+    has_ce: bool
+    ce_own: bool
+    dot: torch.Tensor
+
+    @property
+    def block(self) -> int:
+        return min(2048, next_pow2(max(self.logits.shape[1], 16)))
+
+    def write(self, group: RowGroup, h: torch.Tensor, coef: torch.Tensor, *,
+              image: bool, hsum: torch.Tensor | None = None) -> None:
+        """The gradient of ``group``'s rows' positions from their h (:mod:`gpu.triton_rows`'
+        ``chunk_gradient``): KD (``coef`` a row) and CE together, one write."""
+        from megatron_xdistill.loss.gpu import triton_rows
+
+        x = self.logits
+        triton_rows.chunk_gradient[(group.size,)](
+            self.out, self.out.stride(0), x, x.stride(0), x.shape[1], self.num_real,
+            1.0 / self.temperature, self.lse, self.layout.first, self.layout.length,
+            group.rows, h, h.stride(0), coef, self.dot, coef if hsum is None else hsum,
+            self.ce_coef, self.label, self.lse1, IMAGE=image, CE=self.has_ce,
+            CE_OWN=self.ce_own, BLOCK=self.block)
+
+
+__all__ = ["CrossEntropy", "GradientTarget", "RowGroup", "RowLayout", "cross_entropy_inputs",
+           "log_partition", "next_pow2", "row_layout"]

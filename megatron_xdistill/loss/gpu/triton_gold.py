@@ -1,24 +1,23 @@
-"""Triton kernels of gold / H-KL (:mod:`gpu.gold_pass`), one program per chunk row.
+"""Triton kernels of gold / H-KL (:mod:`fused.gold`).
 
 The uncommon term compares the n largest uncommon student probabilities, sorted, with the
 teacher's sorted ones. No full sort of a row: a radix select finds the n-th largest value (four
 8-bit passes over the bits of the probabilities, which order as integers), the values above it
-are compacted into a list of n, and only that list is sorted. Imported only where Triton is
-installed.
+are compacted into a list of n, and only that list is sorted. Each step is a device function
+over one row; :func:`gold_rows` runs them all for one row after another in a persistent program
+(one TP rank, rows held whole: the radix digits are chosen in the kernel), the one-step kernels
+serve the layouts whose steps wait on a TP / CP sum. Imported only where Triton is installed.
 """
 
 import triton
 import triton.language as tl
 
+from megatron_xdistill.loss.gpu.triton_rows import write_chunk
+
 
 @triton.jit
-def chunk_logit_sums(x_ptr, x_stride, first_ptr, len_ptr, rows_ptr, n_cols, scale, s_ptr,
-                     s_stride, BLOCK: tl.constexpr):
-    # s[g, i] = sum over the row's positions t of scale * x[t, i].
-    g = tl.program_id(0)
-    row = tl.load(rows_ptr + g)
-    first = tl.load(first_ptr + row)
-    length = tl.load(len_ptr + row)
+def _logit_sums(x_ptr, x_stride, first, length, n_cols, scale, s_row, BLOCK: tl.constexpr):
+    # s[i] = sum over the row's positions t of scale * x[t, i]
     for start in tl.range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         inside = cols < n_cols
@@ -26,28 +25,15 @@ def chunk_logit_sums(x_ptr, x_stride, first_ptr, len_ptr, rows_ptr, n_cols, scal
         for k in tl.range(0, length):
             t = (first + k).to(tl.int64)
             acc += tl.load(x_ptr + t * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(s_ptr + g.to(tl.int64) * s_stride + cols, acc * scale, mask=inside)
+        tl.store(s_row + cols, acc * scale, mask=inside)
 
 
 @triton.jit
-def _mean(s_ptr, s_stride, g, cols, mask, lsum, count):
-    # the chunk-mean log-probs a = (sum x / T - sum lse) / count on ``cols``
-    s = tl.load(s_ptr + g * s_stride + cols, mask=mask, other=0.0)
-    return (s - lsum) / count
-
-
-@triton.jit
-def common_divergence(s_ptr, s_stride, lsum_ptr, count_ptr, keys_ptr, b_ptr, b_stride,
-                      pair_col_ptr, pair_ptr, n_pairs, h_ptr, h_stride, value_ptr,
-                      best_ptr, best_at_ptr, beta, BETA_KIND: tl.constexpr,
-                      GRAD: tl.constexpr, BLOCK: tl.constexpr):
-    # The divergence on this shard's common pairs (student column pair_col, pair index pair):
-    # value (float64 sum of this shard's part), its largest a and the first pair holding it,
-    # and with GRAD its gradient on a written into h at the pairs' columns.
-    g = tl.program_id(0).to(tl.int64)
-    key = tl.load(keys_ptr + g).to(tl.int64)
-    lsum = tl.load(lsum_ptr + g)
-    count = tl.load(count_ptr + g)
+def _common(s_row, lsum, count, b_row, pair_col_ptr, pair_ptr, n_pairs, h_row, beta,
+            BETA_KIND: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    # The divergence on the common pairs held here (student column pair_col, pair index pair)
+    # of a = (s - lsum) / count against the teacher's b: (float64 sum, largest a, the first
+    # pair holding it); with GRAD its gradient on a written into h at the pairs' columns.
     total = tl.zeros([BLOCK], tl.float64)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_at = tl.full([BLOCK], 2147483647, tl.int32)
@@ -55,9 +41,9 @@ def common_divergence(s_ptr, s_stride, lsum_ptr, count_ptr, keys_ptr, b_ptr, b_s
         idx = start + tl.arange(0, BLOCK)
         inside = idx < n_pairs
         col = tl.load(pair_col_ptr + idx, mask=inside, other=0)
-        pair = tl.load(pair_ptr + idx, mask=inside, other=0)
-        a = _mean(s_ptr, s_stride, g, col, inside, lsum, count)
-        b = tl.load(b_ptr + key * b_stride + pair, mask=inside, other=0.0)
+        pair = tl.load(pair_ptr + idx, mask=inside, other=0).to(tl.int32)
+        a = (tl.load(s_row + col, mask=inside, other=0.0) - lsum) / count
+        b = tl.load(b_row + pair, mask=inside, other=0.0)
         q = tl.exp(a)
         if BETA_KIND == 0:
             p = tl.exp(b)
@@ -76,65 +62,47 @@ def common_divergence(s_ptr, s_stride, lsum_ptr, count_ptr, keys_ptr, b_ptr, b_s
         best_at = tl.where(better, pair, best_at)
         best = tl.where(better, a, best)
         if GRAD:
-            tl.store(h_ptr + g * h_stride + col, slope, mask=inside)
+            tl.store(h_row + col, slope, mask=inside)
     top = tl.max(best, 0)
-    tl.store(value_ptr + g, tl.sum(total, 0))
-    tl.store(best_ptr + g, top)
-    tl.store(best_at_ptr + g, tl.min(tl.where(best == top, best_at, 2147483647), 0))
+    return tl.sum(total, 0), top, tl.min(tl.where(best == top, best_at, 2147483647), 0)
 
 
 @triton.jit
-def _uncommon_bits(s_ptr, s_stride, g, cols, n_real, common_ptr, lsum, count):
+def _uncommon_bits(s_row, cols, n_real, common_ptr, lsum, count):
     # (bits of exp(a) as int32, whether the column is an uncommon real one)
     inside = cols < n_real
     uncommon = inside & (tl.load(common_ptr + cols, mask=inside, other=1) == 0)
-    a = _mean(s_ptr, s_stride, g, cols, uncommon, lsum, count)
+    a = (tl.load(s_row + cols, mask=uncommon, other=0.0) - lsum) / count
     p = tl.where(uncommon, tl.exp(a), 0.0)
     return p.to(tl.int32, bitcast=True), uncommon
 
 
 @triton.jit
-def radix_histogram(s_ptr, s_stride, lsum_ptr, count_ptr, common_ptr, n_real, prefix_ptr,
-                    hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    # hist[g, d] = how many uncommon probabilities of the row have the bits above ``SHIFT + 8``
-    # equal to prefix[g]'s and digit d at ``SHIFT`` (bits of non-negative floats order as
-    # their values).
-    g = tl.program_id(0).to(tl.int64)
-    lsum = tl.load(lsum_ptr + g)
-    count = tl.load(count_ptr + g)
-    prefix = tl.load(prefix_ptr + g)
+def _histogram(s_row, lsum, count, common_ptr, n_real, prefix, SHIFT: tl.constexpr,
+               BLOCK: tl.constexpr):
+    # [256]: how many uncommon probabilities have the bits above SHIFT + 8 equal to prefix's
+    # and digit d at SHIFT (bits of non-negative floats order as their values)
     hist = tl.zeros([256], tl.int32)
     for start in tl.range(0, n_real, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        bits, uncommon = _uncommon_bits(s_ptr, s_stride, g, cols, n_real, common_ptr, lsum,
-                                        count)
+        bits, uncommon = _uncommon_bits(s_row, cols, n_real, common_ptr, lsum, count)
         if SHIFT == 24:
             above = uncommon
         else:
-            above = (bits >> (SHIFT + 8)) == (prefix >> (SHIFT + 8))
-        digit = (bits >> SHIFT) & 255
-        hist += tl.histogram(digit, 256, mask=uncommon & above)
-    tl.store(hist_ptr + g * 256 + tl.arange(0, 256), hist)
+            above = uncommon & ((bits >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
+        hist += tl.histogram((bits >> SHIFT) & 255, 256, mask=above)
+    return hist
 
 
 @triton.jit
-def compact_top(s_ptr, s_stride, lsum_ptr, count_ptr, common_ptr, n_real, theta_ptr,
-                gt_base_ptr, eq_base_ptr, eq_take_ptr, val_ptr, col_ptr, n_list,
-                BLOCK: tl.constexpr):
-    # The row's uncommon probabilities above the n-th largest (theta) and the first eq_take
-    # equal to it, written at slots gt_base + i / eq_base + i of the row's list (values and
-    # their columns).
-    g = tl.program_id(0).to(tl.int64)
-    lsum = tl.load(lsum_ptr + g)
-    count = tl.load(count_ptr + g)
-    theta = tl.load(theta_ptr + g)
-    gt_next = tl.load(gt_base_ptr + g)
-    eq_next = tl.load(eq_base_ptr + g)
-    eq_end = eq_next + tl.load(eq_take_ptr + g)
+def _compact(s_row, lsum, count, common_ptr, n_real, theta, gt_next, eq_next, eq_take,
+             val_row, col_row, BLOCK: tl.constexpr):
+    # The uncommon probabilities above theta (the n-th largest) and the first eq_take equal to
+    # it, written at slots gt_next + i / eq_next + i of the list (values and their columns).
+    eq_end = eq_next + eq_take
     for start in tl.range(0, n_real, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        bits, uncommon = _uncommon_bits(s_ptr, s_stride, g, cols, n_real, common_ptr, lsum,
-                                        count)
+        bits, uncommon = _uncommon_bits(s_row, cols, n_real, common_ptr, lsum, count)
         gt = uncommon & (bits > theta)
         eq = uncommon & (bits == theta)
         gt_slot = gt_next + tl.cumsum(gt.to(tl.int32), 0) - 1
@@ -142,22 +110,17 @@ def compact_top(s_ptr, s_stride, lsum_ptr, count_ptr, common_ptr, n_real, theta_
         eq = eq & (eq_slot < eq_end)
         slot = tl.where(gt, gt_slot, eq_slot)
         keep = gt | eq
-        value = bits.to(tl.float32, bitcast=True)
-        tl.store(val_ptr + g * n_list + slot, value, mask=keep)
-        tl.store(col_ptr + g * n_list + slot, cols, mask=keep)
+        tl.store(val_row + slot, bits.to(tl.float32, bitcast=True), mask=keep)
+        tl.store(col_row + slot, cols, mask=keep)
         gt_next += tl.sum(gt.to(tl.int32), 0)
         eq_next += tl.sum(eq.to(tl.int32), 0)
 
 
 @triton.jit
-def sorted_l1(val_ptr, n_list, n_rows, keys_ptr, t_ptr, t_stride, value_ptr, grad_ptr,
-              ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    # ROWS rows' lists of n student probabilities sorted descending against the teacher's
-    # sorted t: value = sum_k |s_k - t_k|; grad[g, slot] = d value / d a at each slot's student
-    # column = sign(s_k - t_k) * s_k (0 where they tie, as autograd's abs).
-    g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
-    live = g < n_rows
-    key = tl.load(keys_ptr + g, mask=live, other=0).to(tl.int64)
+def _sorted_l1(val_ptr, grad_ptr, g, live, key, n_list, t_ptr, t_stride, BLOCK: tl.constexpr):
+    # Rows g [R, 1] (``live`` where real) of n student probabilities sorted descending against
+    # the teacher's sorted t (row ``key``): sum_k |s_k - t_k| [R]; grad[slot] = d / d a at each
+    # slot's student column = sign(s_k - t_k) * s_k (0 where they tie, as autograd's abs).
     slot = tl.arange(0, BLOCK)[None, :]
     inside = live & (slot < n_list)
     s = tl.load(val_ptr + g * n_list + slot, mask=inside, other=0.0)
@@ -167,7 +130,133 @@ def sorted_l1(val_ptr, n_list, n_rows, keys_ptr, t_ptr, t_stride, value_ptr, gra
     s_sorted = (packed >> 32).to(tl.int32).to(tl.float32, bitcast=True)
     t = tl.load(t_ptr + key * t_stride + slot, mask=inside, other=0.0)
     diff = tl.where(inside, s_sorted - t, 0.0)
-    total = tl.sum(tl.abs(diff).to(tl.float64), 1)
-    tl.store(value_ptr + g, total[:, None], mask=live)
     sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
     tl.store(grad_ptr + g * n_list + where, sign * s_sorted, mask=inside)
+    return tl.sum(tl.abs(diff).to(tl.float64), 1)
+
+
+# ----------------------------------------------------------------------- one step a launch
+@triton.jit
+def chunk_logit_sums(x_ptr, x_stride, first_ptr, len_ptr, rows_ptr, n_cols, scale, s_ptr,
+                     s_stride, BLOCK: tl.constexpr):
+    g = tl.program_id(0)
+    row = tl.load(rows_ptr + g)
+    _logit_sums(x_ptr, x_stride, tl.load(first_ptr + row), tl.load(len_ptr + row), n_cols,
+                scale, s_ptr + g.to(tl.int64) * s_stride, BLOCK)
+
+
+@triton.jit
+def common_divergence(s_ptr, s_stride, lsum_ptr, count_ptr, keys_ptr, b_ptr, b_stride,
+                      pair_col_ptr, pair_ptr, n_pairs, h_ptr, h_stride, value_ptr,
+                      best_ptr, best_at_ptr, beta, BETA_KIND: tl.constexpr,
+                      GRAD: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    key = tl.load(keys_ptr + g).to(tl.int64)
+    value, top, at = _common(s_ptr + g * s_stride, tl.load(lsum_ptr + g), tl.load(count_ptr + g),
+                             b_ptr + key * b_stride, pair_col_ptr, pair_ptr, n_pairs,
+                             h_ptr + g * h_stride, beta, BETA_KIND, GRAD, BLOCK)
+    tl.store(value_ptr + g, value)
+    tl.store(best_ptr + g, top)
+    tl.store(best_at_ptr + g, at)
+
+
+@triton.jit
+def radix_histogram(s_ptr, s_stride, lsum_ptr, count_ptr, common_ptr, n_real, prefix_ptr,
+                    hist_ptr, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    hist = _histogram(s_ptr + g * s_stride, tl.load(lsum_ptr + g), tl.load(count_ptr + g),
+                      common_ptr, n_real, tl.load(prefix_ptr + g), SHIFT, BLOCK)
+    tl.store(hist_ptr + g * 256 + tl.arange(0, 256), hist)
+
+
+@triton.jit
+def compact_top(s_ptr, s_stride, lsum_ptr, count_ptr, common_ptr, n_real, theta_ptr,
+                gt_base_ptr, eq_base_ptr, eq_take_ptr, val_ptr, col_ptr, n_list,
+                BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    _compact(s_ptr + g * s_stride, tl.load(lsum_ptr + g), tl.load(count_ptr + g), common_ptr,
+             n_real, tl.load(theta_ptr + g), tl.load(gt_base_ptr + g), tl.load(eq_base_ptr + g),
+             tl.load(eq_take_ptr + g), val_ptr + g * n_list, col_ptr + g * n_list, BLOCK)
+
+
+@triton.jit
+def sorted_l1(val_ptr, n_list, n_rows, keys_ptr, t_ptr, t_stride, value_ptr, grad_ptr,
+              ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS rows a program: short lists sort together
+    g = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]  # [ROWS, 1]
+    live = g < n_rows
+    key = tl.load(keys_ptr + g, mask=live, other=0).to(tl.int64)
+    total = _sorted_l1(val_ptr, grad_ptr, g, live, key, n_list, t_ptr, t_stride, BLOCK)
+    tl.store(value_ptr + g, total[:, None], mask=live)
+
+
+# ----------------------------------------------------------------------- whole rows
+@triton.jit
+def gold_rows(x_ptr, x_stride, first_ptr, len_ptr, rows_ptr, keys_ptr, count_ptr, lsum_ptr,
+              n_rows, n_real, scale, s_ptr, s_stride, h_ptr, h_stride, val_ptr, col_ptr,
+              gl_ptr, b_ptr, b_stride, pair_col_ptr, pair_ptr, n_pairs, common_ptr, t_ptr,
+              t_stride, n_list, value_ptr, best_at_ptr, lse_ptr, out_ptr, out_stride, n_out,
+              coef_ptr, ce_ptr, label_ptr, lse1_ptr, beta, BETA_KIND: tl.constexpr,
+              GRAD: tl.constexpr, CE: tl.constexpr, CE_OWN: tl.constexpr,
+              BLOCK: tl.constexpr, PAIR_BLOCK: tl.constexpr, LIST_BLOCK: tl.constexpr):
+    # Every step of the rows g = pid, pid + programs, ... with this program's scratch rows (s,
+    # h, the list's values, columns and gradient); with GRAD the rows' positions' gradient
+    # written (write_chunk).
+    pid = tl.program_id(0).to(tl.int64)
+    s_row = s_ptr + pid * s_stride
+    h_row = h_ptr + pid * h_stride
+    val_row = val_ptr + pid * n_list
+    col_row = col_ptr + pid * n_list
+    digits = tl.arange(0, 256)
+    for g in tl.range(pid, n_rows, tl.num_programs(0)):
+        row = tl.load(rows_ptr + g)
+        first = tl.load(first_ptr + row)
+        length = tl.load(len_ptr + row)
+        key = tl.load(keys_ptr + g).to(tl.int64)
+        lsum = tl.load(lsum_ptr + g)
+        count = tl.load(count_ptr + g)
+        tl.debug_barrier()  # the last row is done with the scratch rows
+        _logit_sums(x_ptr, x_stride, first, length, n_real, scale, s_row, BLOCK)
+        if GRAD:
+            for start in tl.range(0, n_real, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                tl.store(h_row + cols, tl.zeros([BLOCK], tl.float32), mask=cols < n_real)
+        tl.debug_barrier()
+        value, top, at = _common(s_row, lsum, count, b_ptr + key * b_stride, pair_col_ptr,
+                                 pair_ptr, n_pairs, h_row, beta, BETA_KIND, GRAD, PAIR_BLOCK)
+        tl.store(best_at_ptr + g, at)
+        if n_list > 0:
+            prefix = tl.zeros([], tl.int32)
+            left = n_list
+            for i in tl.static_range(4):
+                hist = _histogram(s_row, lsum, count, common_ptr, n_real, prefix, 24 - 8 * i,
+                                  BLOCK)
+                at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # digit >= d
+                digit = tl.sum((at_least >= left).to(tl.int32), 0) - 1
+                left -= tl.sum(tl.where(digits == digit, at_least - hist, 0), 0)
+                prefix = prefix | (digit << (24 - 8 * i))
+            _compact(s_row, lsum, count, common_ptr, n_real, prefix, tl.zeros([], tl.int32),
+                     n_list - left, left, val_row, col_row, BLOCK)
+            tl.debug_barrier()
+            live = tl.full([1, 1], 1, tl.int1)
+            total = _sorted_l1(val_ptr, gl_ptr, pid + tl.zeros([1, 1], tl.int64), live, key,
+                               n_list, t_ptr, t_stride, LIST_BLOCK)
+            value += tl.sum(total, 0)
+            if GRAD:
+                tl.debug_barrier()
+                for start in tl.range(0, n_list, BLOCK):
+                    slot = start + tl.arange(0, BLOCK)
+                    inside = slot < n_list
+                    col = tl.load(col_row + slot, mask=inside, other=0)
+                    tl.store(h_row + col, tl.load(gl_ptr + pid * n_list + slot, mask=inside),
+                             mask=inside)
+        tl.store(value_ptr + g, value)
+        if GRAD:
+            tl.debug_barrier()
+            hsum = tl.zeros([BLOCK], tl.float32)
+            for start in tl.range(0, n_real, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                hsum += tl.load(h_row + cols, mask=cols < n_real, other=0.0)
+            write_chunk(out_ptr, out_stride, x_ptr, x_stride, n_out, n_real, scale, lse_ptr,
+                        first, length, h_row, tl.load(coef_ptr + g), tl.sum(hsum, 0), lse_ptr,
+                        ce_ptr, label_ptr, lse1_ptr, False, CE, CE_OWN, BLOCK)

@@ -56,27 +56,24 @@ def softmax_combine(out_ptr, out_stride, x_ptr, x_stride, n_cols, scale, lse_ptr
 
 
 @triton.jit
-def chunk_gradient(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, lse_ptr,
-                   first_ptr, len_ptr, rows_ptr, h_ptr, h_stride, coef_ptr, dot_ptr,
-                   hsum_ptr, ce_ptr, label_ptr, lse1_ptr,
-                   IMAGE: tl.constexpr, CE: tl.constexpr, CE_OWN: tl.constexpr,
-                   BLOCK: tl.constexpr):
-    # The logits' gradient of one chunk row's positions, written once in out's dtype:
-    # exact form coef * p * (h - dot[t]); gold coef * (h - p * hsum) (h: the row's gradient on
-    # its summed probabilities / log-prob means); plus CE's ce[t] * (p1 - onehot(label[t])),
-    # p1 = p at T = 1 (CE_OWN: exp(x - lse1[t])). Padded columns get 0.
-    g = tl.program_id(0).to(tl.int64)
-    row = tl.load(rows_ptr + g)
-    first = tl.load(first_ptr + row)
-    length = tl.load(len_ptr + row)
-    coef = tl.load(coef_ptr + g)
-    if not IMAGE:
-        hsum = tl.load(hsum_ptr + g)
+def write_chunk(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, lse_ptr, first,
+                length, h_row, coef, hsum, dot_ptr, ce_ptr, label_ptr, lse1_ptr,
+                IMAGE: tl.constexpr, CE: tl.constexpr, CE_OWN: tl.constexpr,
+                BLOCK: tl.constexpr):
+    # The logits' gradient of one chunk row's positions [first, first + length), written once
+    # in out's dtype: exact form coef * p * (h - dot[t]); gold coef * (h - p * hsum) (h, at
+    # ``h_row``: the row's gradient on its summed probabilities / log-prob means); plus CE's
+    # ce[t] * (p1 - onehot(label[t])), p1 = p at T = 1 (CE_OWN: exp(x - lse1[t])). Padded
+    # columns get 0.
     for k in tl.range(0, length):
         t = (first + k).to(tl.int64)
         lse = tl.load(lse_ptr + t)
+        dot = 0.0
         if IMAGE:
             dot = tl.load(dot_ptr + t)
+        ce = 0.0
+        label = -1
+        lse1 = lse
         if CE:
             ce = tl.load(ce_ptr + t)
             label = tl.load(label_ptr + t)
@@ -87,7 +84,7 @@ def chunk_gradient(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, 
             inside = cols < n_cols
             real = cols < n_real
             x = tl.load(x_ptr + t * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
-            h = tl.load(h_ptr + g * h_stride + cols, mask=real, other=0.0)
+            h = tl.load(h_row + cols, mask=real, other=0.0)
             p = tl.exp(x * scale - lse)
             if IMAGE:
                 value = coef * p * (h - dot)
@@ -102,6 +99,24 @@ def chunk_gradient(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, 
             value = tl.where(real, value, 0.0)
             tl.store(out_ptr + t * out_stride + cols, value.to(out_ptr.dtype.element_ty),
                      mask=inside)
+
+
+@triton.jit
+def chunk_gradient(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, lse_ptr,
+                   first_ptr, len_ptr, rows_ptr, h_ptr, h_stride, coef_ptr, dot_ptr,
+                   hsum_ptr, ce_ptr, label_ptr, lse1_ptr,
+                   IMAGE: tl.constexpr, CE: tl.constexpr, CE_OWN: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    # :func:`write_chunk` for the rows of a group, one program a row.
+    g = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + g)
+    hsum = 0.0
+    if not IMAGE:
+        hsum = tl.load(hsum_ptr + g)
+    write_chunk(out_ptr, out_stride, x_ptr, x_stride, n_cols, n_real, scale, lse_ptr,
+                tl.load(first_ptr + row), tl.load(len_ptr + row), h_ptr + g * h_stride,
+                tl.load(coef_ptr + g), hsum, dot_ptr, ce_ptr, label_ptr, lse1_ptr,
+                IMAGE, CE, CE_OWN, BLOCK)
 
 
 @triton.jit

@@ -223,7 +223,8 @@ def _fused_terms(kernel, rows_cpu: ChunkRows, rows: ChunkRows, logits: torch.Ten
         form = GoldPass(inner.payload, inner.pair_local, inner.col_common, inner.num_common,
                         num_real, inner.num_uncommon, inner.beta, tp_group, cp_group)
     dev = logits.device
-    size = fused_call.group_rows(form.row_bytes(), logits, block_bytes)
+    size = fused_call.group_rows(form.row_bytes(), logits, block_bytes,
+                                 whole_rows=group_size(tp_group) == 1)
     layout = row_layout(rows_cpu, rows, rows_cpu.pos_row.numel(), size, sample_weights,
                         cp_group, dev)
     call = fused_call.FusedCall(form, layout, num_real=num_real, vocab_start=vocab_start,

@@ -141,8 +141,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            f"--keep-last-checkpoints needs --save and N >= 1, got "
            f"{args.keep_last_checkpoints}")
     if args.eval_interval is not None:
-        _check(args.valid_data_path is not None or args.split is not None,
-               "--eval-interval needs --valid-data-path or --split")
+        _check(args.valid_data_path is not None or args.split is not None or args.eval_tasks,
+               "--eval-interval needs --valid-data-path or --split (held-out text) or "
+               "--eval-tasks")
+    _check(args.eval_limit is None or (args.eval_tasks and args.eval_limit >= 1),
+           f"--eval-limit needs --eval-tasks and N >= 1, got {args.eval_limit}")
     if args.data_cache_path is None:
         args.data_cache_path = (os.path.join(args.save, "data_cache") if args.save else
                                 os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(
@@ -208,10 +211,12 @@ def _check_layout(args: argparse.Namespace, side: str, placement: Placement, wor
     tp = getattr(args, f"{prefix}tensor_model_parallel_size")
     pp = getattr(args, f"{prefix}pipeline_model_parallel_size")
     cp = getattr(args, f"{prefix}context_parallel_size")
+    ep = getattr(args, f"{prefix}expert_model_parallel_size", 1)
     flag = "--" + prefix.replace("_", "-")
-    _check(min(tp, pp, cp) >= 1, f"{who}: parallel sizes must be >= 1")
+    _check(min(tp, pp, cp, ep) >= 1, f"{who}: parallel sizes must be >= 1")
     flags = (f"{flag}tensor-model-parallel-size / {flag}pipeline-model-parallel-size / "
-             f"{flag}context-parallel-size")
+             f"{flag}context-parallel-size" + (f" / {flag}expert-model-parallel-size"
+                                               if ep > 1 else ""))
     if ranks is None:
         ranks = placement.student_size if side == "student" else placement.teacher_size
     if placement.disaggregated:
@@ -223,7 +228,7 @@ def _check_layout(args: argparse.Namespace, side: str, placement: Placement, wor
     else:
         subject = f"world size {world_size} is"
         fix = f"{flags} or the number of ranks (torchrun --nproc-per-node)"
-    dp = ParallelLayout.for_world(ranks, tp, cp, pp, who=who, ranks=subject, fix=fix).dp
+    dp = ParallelLayout.for_world(ranks, tp, cp, pp, who=who, ranks=subject, fix=fix, ep=ep).dp
     if getattr(args, f"{prefix}sequence_parallel"):
         _check(tp > 1, f"{flag}sequence-parallel needs {flag}tensor-model-parallel-size > 1 "
                f"(it splits the sequence over the TP ranks)")

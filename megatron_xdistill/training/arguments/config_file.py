@@ -3,7 +3,9 @@ overrides) as the defaults of the command line's flags.
 
 Keys are the flags' names, grouped or not (``teacher: {load: ...}`` is ``--teacher-load``);
 values are typed as the flag would type them; an unknown key or a wrong type is refused naming
-the file and the key. Flags given on the command line still win.
+the file and the key. Flags given on the command line still win. A relative ``teachers_config``
+in the file is the file beside it (an include); every other path is the user's, from the
+working directory.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+
+#: Keys naming another config file: written in a config file as a relative path, they are read
+#: beside that file (``teachers_config: teachers.yaml``), whatever the working directory; given
+#: as an override or a flag they are the user's paths (from the working directory).
+BESIDE_THE_FILE = ("teachers_config",)
 
 
 def _flatten(node, prefix: str = "") -> dict[str, object]:
@@ -68,10 +75,18 @@ def apply_config(parser: argparse.ArgumentParser, path: str, overrides: Sequence
     if not os.path.isfile(path):
         raise ValueError(f"--config {path}: no such file")
     try:
-        cfg = OmegaConf.merge(OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides)))
-        values = _flatten(OmegaConf.to_container(cfg, resolve=True) or {})
+        own = OmegaConf.load(path)
+        given = OmegaConf.from_dotlist(list(overrides))
+        values = _flatten(OmegaConf.to_container(OmegaConf.merge(own, given), resolve=True) or {})
+        in_file = _flatten(OmegaConf.to_container(own, resolve=True) or {})
+        in_overrides = _flatten(OmegaConf.to_container(given, resolve=True) or {})
     except (OmegaConfBaseException, OSError, ValueError) as exc:
         raise ValueError(f"--config {path}: {exc}") from exc
+    for key in BESIDE_THE_FILE:  # the file's own relative reference: beside it, not the cwd
+        value = values.get(key)
+        if (isinstance(value, str) and key in in_file and key not in in_overrides
+                and not os.path.isabs(value)):
+            values[key] = os.path.join(os.path.dirname(os.path.abspath(path)), value)
     actions = {a.dest: a for a in parser._actions if a.option_strings}
     defaults = {}
     for key, value in values.items():

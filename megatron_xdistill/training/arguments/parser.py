@@ -31,6 +31,9 @@ def _parallel(parser: argparse.ArgumentParser, prefix: str, who: str) -> None:
                        help=f"{who}: pipeline parallel size (PP)")
     group.add_argument(f"--{prefix}context-parallel-size", type=int, default=1,
                        help=f"{who}: context parallel size (CP); DP is what remains")
+    group.add_argument(f"--{prefix}expert-model-parallel-size", type=int, default=1,
+                       help=f"{who}: expert parallel size (EP, mixture-of-experts models): the "
+                       f"experts are spread over EP of each stage's CP x DP ranks")
     group.add_argument(f"--{prefix}sequence-parallel", action="store_true",
                        help=f"{who}: sequence parallelism (norms, dropout and residuals on 1/TP "
                        f"of the sequence; needs TP > 1)")
@@ -353,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=4,
                    help="global batches of --valid-data-path per evaluation (as in Megatron-LM)")
+    g.add_argument("--eval-tasks", nargs="+", default=None, metavar="TASK",
+                   help="lm-evaluation-harness tasks (names, or paths of local task YAMLs; "
+                   "xdistill_humaneval) scored on the student at each evaluation: every "
+                   "--eval-interval iterations and at the end (docs/evaluation.md)")
+    g.add_argument("--eval-limit", type=int, default=None,
+                   help="documents per --eval-tasks task at each evaluation (default: all)")
     g.add_argument("--metrics-file", default=None, help="JSON Lines file of logged metrics")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--wandb-project", default=None,

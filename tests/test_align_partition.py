@@ -1,0 +1,194 @@
+"""Both aligners' chunks on synthetic token splits, against the finest partition worked out here.
+
+Two tokenisations of the same bytes (cut at random byte positions, so tokens can split a UTF-8
+character as byte-level BPE does, with control tokens dropped) have one finest partition: a chunk
+ends at every byte position where both sides start a token and a character starts. The DP path
+(from bytes) and the offset path (from character offsets) must both give exactly it, every chunk
+exact. Hand-made cases cover what random splits do not: text one side skips, streams that differ
+(inexact chunks and their merging), opaque tokens and cuts inside a character.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_xdistill.align.chunks import Alignment, check_partition, finalize
+from megatron_xdistill.align.dp_aligner import align_sides, check_dp_options
+from megatron_xdistill.align.offset_aligner import align_offsets, walk_offsets
+from megatron_xdistill.align.sides import Side
+
+PIECES = ["a", "b", "c", " ", "é", "ß", "你", "好", "🤖", "\n"]
+OPAQUE = object()
+
+
+def side(tokens: list) -> Side:
+    """A side from token bytes; ``None`` is a control token (dropped), ``OPAQUE`` an opaque one
+    (kept, no bytes)."""
+    index, starts, opaque, stream = [], [0], [], b""
+    for k, tok in enumerate(tokens):
+        if tok is None:
+            continue
+        index.append(k)
+        opaque.append(tok is OPAQUE)
+        stream += b"" if tok is OPAQUE else tok
+        starts.append(len(stream))
+    return Side(len(tokens), np.array(index, np.int64), np.array(starts, np.int64),
+                np.frombuffer(stream, np.uint8).copy(), np.array(opaque, np.bool_))
+
+
+def split(data: bytes, rng: np.random.Generator, controls: bool) -> list:
+    """``data`` cut at random byte positions (tokens of 1+ bytes), control tokens sprinkled."""
+    cuts = sorted({0, len(data), *(rng.choice(np.arange(1, len(data)), len(data) // 3,
+                                              replace=False).tolist())})
+    tokens = [data[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    if controls:
+        for _ in range(3):
+            tokens.insert(int(rng.integers(0, len(tokens) + 1)), None)
+    return tokens
+
+
+def finest(s_tokens: list, t_tokens: list) -> np.ndarray:
+    """The finest partition of two splits of the same bytes, in original positions."""
+    s, t = side(s_tokens), side(t_tokens)
+    assert bytes(s.stream) == bytes(t.stream)
+    data = bytes(s.stream)
+    char_start = {p for p in range(len(data) + 1) if p == len(data) or data[p] & 0xC0 != 0x80}
+    common = sorted(set(s.starts.tolist()) & set(t.starts.tolist()) & char_start)
+    s_at = {p: k for k, p in enumerate(s.starts.tolist())}
+    t_at = {p: k for k, p in enumerate(t.starts.tolist())}
+    rows = []
+    for x, y in zip(common[:-1], common[1:]):
+        a, b, p, q = s_at[x], s_at[y], t_at[x], t_at[y]
+        rows.append([s.index[a], s.index[b - 1] + 1, t.index[p], t.index[q - 1] + 1, 1])
+    return np.array(rows, np.int64).reshape(-1, 5)
+
+
+def char_offsets(tokens: list) -> np.ndarray:
+    """Character offsets ``[N, 2]`` of byte tokens (a token holding part of a character covers
+    that character; control tokens get ``(0, 0)``, which the aligner ignores)."""
+    out, char = [], -1
+    for tok in tokens:
+        if tok is None:
+            out.append((0, 0))
+            continue
+        first = None
+        for byte in tok:
+            if byte & 0xC0 != 0x80:
+                char += 1
+            first = char if first is None else first
+        out.append((first, char + 1))  # from inside a character: from that character
+    return np.array(out, np.int64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_both_paths_give_the_finest_partition_of_random_splits(seed):
+    rng = np.random.default_rng(seed)
+    data = "".join(rng.choice(PIECES, 40)).encode()
+    s_tokens, t_tokens = split(data, rng, seed % 2 == 0), split(data, rng, seed % 3 == 0)
+    want = finest(s_tokens, t_tokens)
+    s, t = side(s_tokens), side(t_tokens)
+    got_dp = align_sides(s, t)
+    np.testing.assert_array_equal(got_dp, want)
+    got_offsets = align_offsets(s, char_offsets(s_tokens), t, char_offsets(t_tokens))
+    np.testing.assert_array_equal(got_offsets, want)
+    check_partition(got_dp, len(s_tokens), len(t_tokens))
+    alignment = Alignment(np.zeros(len(s_tokens), np.int64), np.zeros(len(t_tokens), np.int64),
+                          got_dp)
+    assert alignment.num_exact == len(want)
+    assert alignment.chunks == [tuple(r[:4]) + (True,) for r in want.tolist()]
+
+
+def test_tokens_in_text_the_other_side_skips_are_chunks_of_their_own():
+    """A student token over text the teacher has no token for (a dropped special token) is a
+    chunk with an empty teacher side, at the start, in the middle and at the end."""
+    def walk(s, t):
+        s, t = np.array(s, np.int64), np.array(t, np.int64)
+        return walk_offsets(s[:, 0], s[:, 1], t[:, 0], t[:, 1]).tolist()
+
+    assert walk([(0, 5), (5, 8), (8, 10)], [(5, 7), (7, 10)]) == [[0, 1, 0, 0], [1, 3, 0, 2]]
+    assert walk([(5, 7), (7, 10)], [(0, 5), (5, 8), (8, 10)]) == [[0, 0, 0, 1], [0, 2, 1, 3]]
+    assert walk([(0, 3), (3, 4), (6, 9)], [(0, 3), (6, 9)]) == [[0, 1, 0, 1], [1, 2, 1, 1],
+                                                                [2, 3, 1, 2]]
+    assert walk([(0, 3), (3, 6)], [(0, 3)]) == [[0, 1, 0, 1], [1, 2, 1, 1]]
+    assert walk([(0, 3)], [(0, 2), (2, 3), (3, 6)]) == [[0, 1, 0, 2], [1, 1, 2, 3]]
+    # a token that shares a character with its neighbour makes no boundary
+    assert walk([(0, 2), (1, 3), (3, 4)], [(0, 1), (1, 3), (3, 4)]) == [[0, 2, 0, 2],
+                                                                        [2, 3, 2, 3]]
+
+
+def test_different_text_gives_inexact_chunks_and_neighbours_merge():
+    """Where the bytes differ the chunk is inexact; neighbouring inexact chunks are one."""
+    s = side([b"ab", b"c", b"X", b"def"])
+    t = side([b"a", b"bc", b"Y", b"d", b"ef"])
+    np.testing.assert_array_equal(align_sides(s, t), [[0, 2, 0, 2, 1], [2, 3, 2, 3, 0],
+                                                      [3, 4, 3, 5, 1]])
+    s = side([b"a", b"X", b"Y", b"b"])
+    t = side([b"a", b"Z", b"W", b"b"])
+    np.testing.assert_array_equal(align_sides(s, t), [[0, 1, 0, 1, 1], [1, 3, 1, 3, 0],
+                                                      [3, 4, 3, 4, 1]])
+    # a token only one side has
+    s = side([b"a", b"Q", b"b"])
+    t = side([b"a", b"b"])
+    np.testing.assert_array_equal(align_sides(s, t), [[0, 1, 0, 1, 1], [1, 2, 1, 1, 0],
+                                                      [2, 3, 1, 2, 1]])
+
+
+def test_finalize_marks_opaque_and_cut_characters_inexact():
+    """Normal form on given spans: an opaque token makes its chunk inexact; a chunk that ends
+    or starts inside a character is inexact and merges with its inexact neighbour, and the
+    merged chunk, whole characters equal on both sides, is exact again; a side with no tokens is
+    never exact and sits at the next kept token."""
+    s = side([b"ab", OPAQUE, b"cd", b"ef"])
+    t = side([b"ab", b"cd", b"ef"])
+    spans = np.array([[0, 1, 0, 1], [1, 3, 1, 2], [3, 4, 2, 3]])
+    want = [[0, 1, 0, 1, 1], [1, 3, 1, 2, 0], [3, 4, 2, 3, 1]]  # after it: exact again
+    np.testing.assert_array_equal(finalize(spans, s, t), want)
+    np.testing.assert_array_equal(finalize(spans[:, [2, 3, 0, 1]], t, s),
+                                  np.array(want)[:, [2, 3, 0, 1, 4]])  # on the teacher side
+    e = "é".encode()
+    s = side([b"x", e[:1], e[1:] + b"y", b"z"])
+    t = side([b"x", e[:1], e[1:] + b"y", b"z"])
+    spans = np.array([[0, 1, 0, 1], [1, 2, 1, 2], [2, 3, 2, 3], [3, 4, 3, 4]])
+    np.testing.assert_array_equal(finalize(spans, s, t), [[0, 1, 0, 1, 1], [1, 3, 1, 3, 1],
+                                                          [3, 4, 3, 4, 1]])
+    # bytes equal but cut after a character's first byte on the teacher side only
+    s = side([b"x", e + b"y"])
+    t = side([b"x", e[:1], e[1:] + b"y"])
+    np.testing.assert_array_equal(finalize(np.array([[0, 1, 0, 1], [1, 2, 1, 3]]), s, t),
+                                  [[0, 1, 0, 1, 1], [1, 2, 1, 3, 1]])
+    # two inexact chunks (a cut character, an empty side) whose run spells the same text
+    np.testing.assert_array_equal(finalize(np.array([[0, 2, 0, 2], [2, 2, 2, 3]]), s, t),
+                                  [[0, 2, 0, 3, 1]])
+    # lengths equal, bytes differ
+    s, t = side([b"ab", b"cd"]), side([b"ab", b"ce"])
+    np.testing.assert_array_equal(finalize(np.array([[0, 1, 0, 1], [1, 2, 1, 2]]), s, t),
+                                  [[0, 1, 0, 1, 1], [1, 2, 1, 2, 0]])
+    # an empty student side, with control tokens around: original positions
+    s = side([None, b"ab", None, b"cd", None])
+    t = side([b"ab", b"X", b"cd"])
+    np.testing.assert_array_equal(
+        finalize(np.array([[0, 1, 0, 1], [1, 1, 1, 2], [1, 2, 2, 3]]), s, t),
+        [[1, 2, 0, 1, 1], [3, 3, 1, 2, 0], [3, 4, 2, 3, 1]])
+
+
+def test_check_partition_refuses_what_is_not_an_ordered_cover():
+    check_partition(np.array([[0, 2, 0, 1, 1], [2, 3, 1, 1, 0], [3, 3, 1, 3, 0]]), 3, 3)
+    check_partition(np.zeros((0, 5), np.int64), 0, 0)
+    for bad, n, m in [([[0, 2, 0, 1, 1], [1, 3, 1, 2, 1]], 3, 2),   # student overlap
+                      ([[0, 1, 0, 2, 1], [1, 2, 1, 3, 1]], 2, 3),   # teacher overlap
+                      ([[0, 4, 0, 1, 1]], 3, 1),                    # past the student's end
+                      ([[0, 1, 0, 2, 1]], 1, 1),                    # past the teacher's end
+                      ([[1, 0, 0, 1, 1]], 2, 1),                    # reversed student span
+                      ([[0, 1, 1, 0, 1]], 1, 2),                    # reversed teacher span
+                      ([[0, 1, 0, 1, 1], [1, 1, 1, 1, 0]], 1, 1)]:  # a chunk with no tokens
+        with pytest.raises(AssertionError):
+            check_partition(np.array(bad), n, m)
+
+
+def test_dp_options_out_of_range_are_refused():
+    check_dp_options(1, 1, 1)
+    check_dp_options(1000, 1, 1)
+    for bad in [(0, 16, 64), (1001, 16, 64), (4, 0, 64), (4, 16, 0)]:
+        with pytest.raises(ValueError, match="must be"):
+            check_dp_options(*bad)
