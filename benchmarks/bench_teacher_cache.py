@@ -33,18 +33,20 @@ from results import write_rows
 VT = 151_936
 
 
-def _payloads(form: str, k: int | None, seq: int, samples: int) -> list[torch.Tensor]:
-    """Flat payloads of random (peaked) teacher logits for ``samples`` samples."""
+def _payloads(form: str, k, seq: int, samples: int) -> list[torch.Tensor]:
+    """Flat payloads of random (peaked) teacher logits for ``samples`` samples (``k``: the
+    top-k, or compact gold's (k, k'))."""
     from megatron_xdistill.loss import payload_spec, teacher_payload
 
     chunks = int(0.7 * seq)
     t_len = int(1.25 * seq)
     common = None
-    if form == "gold":
+    if form in ("gold", "gold_topk"):
         common = torch.randperm(VT, generator=torch.Generator().manual_seed(0))[:30_000]
         common = common.sort().values
-    spec = payload_spec(form, seq + 1, VT, topk=k,
-                        num_common=None if common is None else common.numel())
+    sizes = {"gold_topk": k[0], "gold_uncommon_topk": k[1]} if form == "gold_topk" else {}
+    spec = payload_spec(form, seq + 1, VT, topk=None if sizes else k,
+                        num_common=None if common is None else common.numel(), **sizes)
     out = []
     for i in range(samples):
         gen = torch.Generator().manual_seed(i)
@@ -62,10 +64,11 @@ def measure_files(seq: int, samples: int, work: Path) -> list[tuple]:
 
     rows = []
     for form, k, n in (("chunk_topk", 64, samples), ("chunk_topk", 256, samples),
-                       ("topk", 256, samples), ("gold", None, 2), ("full", None, 2)):
+                       ("topk", 256, samples), ("gold_topk", (64, 256), samples),
+                       ("gold", None, 2), ("full", None, 2)):
         payloads = _payloads(form, k, seq, n)
         numel = payloads[0].numel()
-        root = work / f"{form}-{k}"
+        root = work / f"{form}-{k}".replace(" ", "").replace(",", "-")
         t0 = time.perf_counter()
         writer = ShardWriter(root, 0, numel)
         for i, p in enumerate(payloads):
@@ -78,7 +81,8 @@ def measure_files(seq: int, samples: int, work: Path) -> list[tuple]:
         t_read = time.perf_counter() - t0
         assert all(torch.equal(got[i], p) for i, p in enumerate(payloads))
         raw = 4 * numel * n
-        name = form if k is None else f"{form}-{k}"
+        name = (form if k is None else f"{form}-{k[0]}/{k[1]}" if isinstance(k, tuple)
+                else f"{form}-{k}")
         rows.append((name, raw / (n * seq), disk / (n * seq), raw / t_write / 1e6,
                      raw / t_read / 1e6))
         if (form, k) == ("chunk_topk", 256):  # a run at top-8 reading this cache

@@ -95,8 +95,13 @@ def _image(case, form):
 
 
 def _spec(case, config):
+    """The config's payload spec (form "gold_topk": the topk slot holds (k, k'))."""
     mode, form, topk, *_, unc = config
     common = _common(case, mode)
+    if form == "gold_topk":
+        return payload_spec(form, case.chunk_valid.shape[1], case.vt,
+                            num_common=common[0].numel(), uncommon_topk=unc, gold_topk=topk[0],
+                            gold_uncommon_topk=topk[1], student_vocab_size=case.vs)
     image = _image(case, form)
     return payload_spec(form, case.chunk_valid.shape[1], case.vt, topk=topk,
                         num_common=None if common[0] is None else common[0].numel(),
@@ -168,7 +173,8 @@ def _reference(case, config, n_dp: int) -> tuple[float, torch.Tensor, dict]:
     (the microbatch-global top-k columns are per microbatch)."""
     mode, form, topk, temp, reverse, exact_only, ce_w, dynamic, unc = config
     z = case.real_student_logits.clone().requires_grad_(True)
-    kw = {"vocab_topk": topk} if form == "topk" else {"chunk_topk": topk} if topk else {}
+    kw = ({"vocab_topk": topk} if form == "topk" else {"gold_topk": topk}
+          if form == "gold_topk" else {"chunk_topk": topk} if topk else {})
     kd_sum, n, top1 = 0.0, 0, 0
     for d in range(n_dp):
         s = torch.arange(case.chunk_valid.shape[0])[d::n_dp]
@@ -245,12 +251,13 @@ def _payload(case, config, n_dp: int) -> torch.Tensor:
     return flat
 
 
-def _check_layout(outs, expected, tp: int, cp: int, which: list[int] | None = None) -> None:
-    """Every config's results (``which``: the CONFIGS they are, in order) against the
+def _check_layout(outs, expected, tp: int, cp: int, which: list[int] | None = None,
+                  configs: list = CONFIGS) -> None:
+    """Every config's results (``which``: the ``configs`` they are, in order) against the
     references."""
     case, refs, payloads = expected(outs[0]["coords"]["n_dp"])
-    for at, i in enumerate(range(len(CONFIGS)) if which is None else which):
-        config = CONFIGS[i]
+    for at, i in enumerate(range(len(configs)) if which is None else which):
+        config = configs[i]
         ref_loss, ref_grad, ref_metrics = refs[i]
         loss, grad = _assemble(case, outs, tp, cp, at)
         where = f"TP{tp} CP{cp} {config}"

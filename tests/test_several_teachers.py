@@ -373,6 +373,27 @@ def test_teachers_file_defaults_come_from_the_flags(tmp_path):
     assert view.kd_topk == 8 and view.teacher_load == str(tmp_path) and view.teacher_name == "a"
 
 
+def test_each_teacher_takes_its_compact_gold_sizes(tmp_path):
+    """kd_gold_topk / kd_gold_uncommon_topk per teacher, else the flags; each teacher's payload
+    form follows its own (0 / 0: the full gold payload); negative sizes are refused."""
+    from megatron_xdistill.training.kd_adapter import payload_form
+
+    t = {**_teacher(tmp_path), "kd_loss": "hkl"}
+    args = _parse(tmp_path, {"teachers": [
+        {**t, "name": "a", "kd_gold_topk": 16},
+        {**t, "name": "b", "kd_gold_topk": 0, "kd_gold_uncommon_topk": 0}]},
+        ["--kd-gold-uncommon-topk", "128"])
+    assert [(s.kd_gold_topk, s.kd_gold_uncommon_topk) for s in args.teachers] == [(16, 128),
+                                                                                 (0, 0)]
+    views = [s.view(args) for s in args.teachers]
+    assert (views[0].kd_gold_topk, views[0].kd_gold_uncommon_topk) == (16, 128)
+    assert [payload_form(v.kd_loss, v.kd_topk, v.kd_topk_mode, v.kd_gold_topk,
+                         v.kd_gold_uncommon_topk) for v in views] == ["gold_topk", "gold"]
+    with pytest.raises(ValueError, match="must be >= 0"):
+        _parse(tmp_path, {"teachers": [{**t, "name": "a", "kd_gold_topk": -1},
+                                       {**t, "name": "b"}]})
+
+
 def test_disaggregated_teachers_get_ranks_of_their_own(tmp_path):
     """Disaggregated: the student's ranks first, then each teacher's own 'ranks', in order; a
     teacher's layout must fit its own ranks."""

@@ -184,3 +184,32 @@ def test_a_quick_look_never_replaces_the_published_results():
                                                  "variants": {"pkl_ep4": {"kd_weight": 2.0}}}))
     assert not study.publishes(OmegaConf.merge(
         cfg, {"variants_to_run": ["mine"], "variants": {"mine": {"kd_loss": "pkl"}}}))
+
+
+def test_compact_gold_variants_share_one_cache_and_the_gold_rows_stay():
+    """The compact gold / H-KL variants read the cache at compact_gold_cache's sizes (narrowed
+    on read) and train at their own; the published gold / H-KL rows keep their settings (full
+    payload: 0 / 0 on the command line, their digest unchanged)."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.load(Path(study.HERE) / "study.yaml"),
+                          {"experiment": "signal"})
+    data = {"train": Path("t.jsonl"), "enwiki": Path("w.jsonl")}
+    small = dict(cfg.variants["hkl_c64_ep4"])
+    options = study._options(cfg, data, small, 1)
+    assert (options["kd-gold-topk"], options["kd-gold-uncommon-topk"]) == (64, 256)
+    reads = study._cache_variant(cfg, small)
+    assert (reads["gold_topk"], reads["gold_uncommon_topk"]) == (256, 1024)
+    assert study._form(cfg, reads, 1) == "hkl-g256u1024-T1.0-plan1000"
+    assert study._cache_variant(cfg, dict(cfg.variants["gold_c256_ep4"])) == dict(
+        cfg.variants["gold_c256_ep4"])
+    gold = dict(cfg.variants["gold_ep4"])
+    options = study._options(cfg, data, gold, 1)
+    assert (options["kd-gold-topk"], options["kd-gold-uncommon-topk"]) == (0, 0)
+    assert study._form(cfg, gold, 1) == "gold-T1.0-plan1000"
+    assert "kd-gold-topk" not in study._options(cfg, data, dict(cfg.variants["pkl_ep4"]), 1)
+    published = json.loads((Path(study.HERE) / "results" / "signal.json").read_text())["runs"]
+    for name in ("gold_ep4", "hkl_ep4", "pkl_ep4"):
+        assert study.run_settings(cfg, name, 1) == published[f"{name}-s1"]["settings"], name

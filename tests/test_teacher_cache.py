@@ -4,7 +4,9 @@ Setup and reference as test_e2e (tiny converted models, real SmolLM2 / Qwen2 tok
 online run fills the cache as it trains; runs in two student layouts read it without the teacher
 (no --teacher-load) and reproduce the online losses of the same layout (rel 1e-6); a teacher-only
 pass in another teacher layout, interrupted and resumed, fills an equal cache; runs configured
-differently are refused naming the field.
+differently are refused naming the field. Compact gold / H-KL (``--kd-loss hkl`` ships it by
+default: ``--kd-gold-topk 64 --kd-gold-uncommon-topk 256``) through the cache and through a
+disaggregated teacher's transport.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 import pytest
 from scratch import scratch_dir
 from test_e2e import STEPS, _argv, _losses, _run_main, assert_losses_match, refusal
+
+from megatron_xdistill.loss.definitions.common import UNCOMMON_TOPK
 
 EXACT = 1e-6
 STUDENT_TP2 = ["--tensor-model-parallel-size", "2"]
@@ -180,3 +184,59 @@ def test_a_differently_configured_run_is_refused(e2e_setup, e2e_pool, online_cac
     assert e2e_pool.run(_run_main, argv) == [2] * 4  # refused before anything is built
     message = refusal(argv)
     assert "made for another configuration" in message and field in message
+
+
+# ----------------------------------------------------------------- compact gold / H-KL
+HKL = ["--kd-loss", "hkl"]
+
+
+@pytest.fixture(scope="module")
+def compact_online(e2e_setup, e2e_pool, request, tmp_path_factory):
+    """A colocated compact H-KL run that fills a teacher cache as it trains: (cache, losses)."""
+    root, s_tok, t_tok = e2e_setup
+    cache = scratch_dir(request, tmp_path_factory, "gold_topk_cache") / "online"
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, "hkl_online",
+                                  HKL + ["--teacher-cache", str(cache)]))
+    return cache, _losses(root, "hkl_online")
+
+
+def test_the_cache_holds_the_compact_payload_and_reproduces_the_run(e2e_setup, e2e_pool,
+                                                                   compact_online):
+    root, s_tok, t_tok = e2e_setup
+    cache, losses = compact_online
+    key = json.loads((cache / "manifest.json").read_text())["key"]["payload"]
+    assert key["form"] == "gold_topk"
+    k, k_unc, span, pairs = key["gold_topk"]
+    assert (k, k_unc, span) == (64, 256, UNCOMMON_TOPK) and pairs > k
+    chunks = 32 + 1  # a chunk slot per student position (--seq-length 32)
+    assert key["numel"] == chunks * (2 * k + k_unc + 3)
+    assert all(kd > 0 for kd, _ in losses)
+    records = [json.loads(x) for x in (root / "hkl_online.jsonl").read_text().splitlines()]
+    shipped = [r["payload_bytes_per_token"] for r in records if "payload_bytes_per_token" in r]
+    assert shipped and all(b == pytest.approx(4 * key["numel"] / 32, abs=0.1) for b in shipped)
+    e2e_pool.run(_run_main, _reader_argv(root, s_tok, t_tok, "hkl_read",
+                                         HKL + ["--teacher-cache", str(cache)]))
+    _same(_losses(root, "hkl_read"), losses, "compact H-KL read from the cache")
+
+
+def test_larger_compact_sizes_are_refused_by_the_cache(e2e_setup, e2e_pool,
+                                                      compact_online):
+    """More pairs than the cache holds (fewer would be narrowed on read)."""
+    root, s_tok, t_tok = e2e_setup
+    cache, _ = compact_online
+    argv = _reader_argv(root, s_tok, t_tok, "hkl_refused",
+                        HKL + ["--teacher-cache", str(cache), "--kd-gold-topk", "128"])
+    assert e2e_pool.run(_run_main, argv) == [2] * 4
+    message = refusal(argv)
+    assert "made for another configuration" in message and "payload.gold_topk" in message
+
+
+def test_a_disaggregated_teacher_ships_it_like_a_colocated_one(e2e_setup, e2e_pool,
+                                                              compact_online):
+    root, s_tok, t_tok = e2e_setup
+    _, losses = compact_online
+    name = "hkl_disaggregated"
+    e2e_pool.run(_run_main, _argv(root, s_tok, t_tok, name, HKL + [
+        "--teacher-placement", "disaggregated", "--teacher-ranks", "2",
+        "--tensor-model-parallel-size", "2", "--teacher-tensor-model-parallel-size", "2"]))
+    assert_losses_match(_losses(root, name), losses, name)

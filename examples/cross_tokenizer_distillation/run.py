@@ -73,10 +73,14 @@ def _digest(obj) -> str:
 # --------------------------------------------------------------------------- training
 def train_options(cfg, name: str, data: dict, run_dir: Path, work: Path) -> dict:
     """``pretrain_xdistill.py`` arguments of one variant; everything but the loss weights is
-    shared by all variants."""
+    shared by all variants. Gold / H-KL ship the full payload (this run's REPORT rows) unless
+    the variant sets ``gold_topk`` / ``gold_uncommon_topk`` (the compact payload)."""
     t, kd, variant = cfg.train, cfg.kd, cfg.variants[name]
     s, te = cfg.layout.student, cfg.layout.teacher
-    return {
+    gold = ({"kd-gold-topk": int(variant.get("gold_topk", 0)),
+             "kd-gold-uncommon-topk": int(variant.get("gold_uncommon_topk", 0))}
+            if variant.kd_loss in ("gold", "hkl") else {})
+    return {**gold,
         "tensor-model-parallel-size": s.tp, "pipeline-model-parallel-size": s.pp,
         "context-parallel-size": s.cp,
         "teacher-tensor-model-parallel-size": te.tp,

@@ -88,10 +88,14 @@ def _kd(cfg, variant: dict) -> dict:
     """The payload and KD settings of a variant: the shared ``kd`` block, overridden by the
     variant's own ``topk`` / ``topk_mode`` / ``temperature`` / ``dynamic_scaling`` /
     ``skip_student_split`` / ``first_token`` (the last three are student-side: the teacher
-    cache is shared)."""
+    cache is shared). Gold / H-KL: the compact payload's ``gold_topk`` /
+    ``gold_uncommon_topk``, 0 / 0 (the full payload) where the variant sets none."""
     get = lambda key: variant.get(key, cfg.kd.get(key))  # noqa: E731
     out = {"kd-topk": get("topk"), "kd-topk-mode": get("topk_mode"),
            "kd-temperature": get("temperature")}
+    if variant["kd_loss"] in ("gold", "hkl"):
+        out["kd-gold-topk"] = int(variant.get("gold_topk", 0))
+        out["kd-gold-uncommon-topk"] = int(variant.get("gold_uncommon_topk", 0))
     if get("dynamic_scaling"):
         out["kd-dynamic-scaling"] = True
     if get("skip_student_split"):
@@ -109,8 +113,11 @@ def _form(cfg, variant: dict, seed: int) -> str:
     kd = _kd(cfg, variant)
     plan = _epochs(variant).get("samples-per-epoch")
     # the gold form ships every common pair (no top-k): the payload top-k is not part of it
-    gold = payload_form(variant["kd_loss"], kd["kd-topk"], kd["kd-topk-mode"]) == "gold"
-    columns = "" if gold else f"-top{kd['kd-topk']}{kd['kd-topk-mode']}"
+    form = payload_form(variant["kd_loss"], kd["kd-topk"], kd["kd-topk-mode"],
+                        kd.get("kd-gold-topk", 0), kd.get("kd-gold-uncommon-topk", 0))
+    columns = ("" if form == "gold" else
+               f"-g{kd['kd-gold-topk']}u{kd['kd-gold-uncommon-topk']}" if form == "gold_topk"
+               else f"-top{kd['kd-topk']}{kd['kd-topk-mode']}")
     return (f"{variant['kd_loss']}{columns}-T{kd['kd-temperature']}{order}"
             f"{'' if plan is None else f'-plan{plan}'}")
 
@@ -118,8 +125,17 @@ def _form(cfg, variant: dict, seed: int) -> str:
 def _cache_variant(cfg, variant: dict) -> dict:
     """The variant whose teacher cache ``variant`` reads: a chunk top-k below the shared
     ``kd.topk`` (same temperature) reads the shared cache, narrowed on read, so the payload
-    top-k knob costs no teacher pass."""
-    own, shared = _kd(cfg, variant), _kd(cfg, {})
+    top-k knob costs no teacher pass. A compact gold / H-KL variant at most
+    ``compact_gold_cache``'s sizes reads that cache, narrowed likewise."""
+    own = _kd(cfg, variant)
+    big = cfg.get("compact_gold_cache")
+    if big is not None and own.get("kd-gold-topk") and own.get("kd-gold-uncommon-topk"):
+        if (own["kd-gold-topk"] <= big.gold_topk
+                and own["kd-gold-uncommon-topk"] <= big.gold_uncommon_topk):
+            return {**variant, "gold_topk": big.gold_topk,
+                    "gold_uncommon_topk": big.gold_uncommon_topk}
+        return variant
+    shared = _kd(cfg, {"kd_loss": "pkl"})
     if (own["kd-topk-mode"] == shared["kd-topk-mode"] == "chunk"
             and own["kd-temperature"] == shared["kd-temperature"]
             and 0 < own["kd-topk"] < shared["kd-topk"]):

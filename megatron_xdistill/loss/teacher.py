@@ -18,19 +18,33 @@ from megatron_xdistill.loss.blocks.chunk_rows import ChunkRows, build_chunk_rows
 from megatron_xdistill.loss.collectives import Group, all_gather, all_reduce, group_rank
 from megatron_xdistill.loss.cpu import exact as exact_rows
 from megatron_xdistill.loss.definitions.common import TINY, UNCOMMON_TOPK
+from megatron_xdistill.loss.definitions.formulas import gold_topk_sizes, gold_topk_teacher
 from megatron_xdistill.loss.definitions.payload import PayloadSpec, TeacherPayload, float64_as_pair
 
 
 def payload_spec(form: str, num_chunks: int, teacher_vocab_size: int, topk: int | None = None,
                  num_common: int | None = None, uncommon_topk: int = UNCOMMON_TOPK,
-                 num_image: int | None = None) -> PayloadSpec:
+                 num_image: int | None = None, *, gold_topk: int = 0,
+                 gold_uncommon_topk: int = 0, student_vocab_size: int | None = None
+                 ) -> PayloadSpec:
     """The payload shape for a loss configuration (known before any data: for routing plans).
 
     ``form``: "full" (exact P-KL), "image" (exact P-KL on W's image of ``num_image`` teacher
     ids, :func:`kernels.image_projection.teacher_image`), "topk" (``topk`` microbatch-global
-    columns), "chunk_topk" (``topk`` columns per chunk + tail) or "gold" (``num_common``
-    common pairs).
+    columns), "chunk_topk" (``topk`` columns per chunk + tail), "gold" (``num_common``
+    common pairs) or "gold_topk" (compact gold: the ``gold_topk`` most probable of the
+    ``num_common`` pairs and ``gold_uncommon_topk`` sorted uncommon probabilities, 0 = all, of
+    the n = min(``uncommon_topk``, V_t - M, V_s - M) the loss compares; give
+    ``student_vocab_size`` V_s, which the student's n needs).
     """
+    if form == "gold_topk":
+        if num_common is None:
+            raise ValueError("form 'gold_topk' needs num_common (the number of common pairs)")
+        span = max(0, min(uncommon_topk, teacher_vocab_size - num_common))
+        if student_vocab_size is not None:
+            span = max(0, min(span, student_vocab_size - num_common))
+        k, k_unc = gold_topk_sizes(gold_topk, gold_uncommon_topk, num_common, span)
+        return PayloadSpec(form, num_chunks, k, k_unc, span=span, pairs=num_common)
     if form == "image":
         if num_image is None:
             raise ValueError("form 'image' needs num_image (the size of W's image)")
@@ -73,14 +87,15 @@ class _Teacher:
         self.vocab_start = group_rank(tp_group) * v_local
         self.num_real = max(0, min(v_local, vocab_size - self.vocab_start))
         self.dev = logits.device
-        if spec.form in ("gold", "image"):
-            what = "common" if spec.form == "gold" else "image"
+        if spec.form in ("gold", "gold_topk", "image"):
+            what = "image" if spec.form == "image" else "common"
             if common_teacher_ids is None:
                 raise ValueError(f"a {spec.form} payload needs the teacher ids of its columns "
                                  f"({what}_teacher_ids)")
             common = torch.as_tensor(common_teacher_ids, dtype=torch.int64, device=self.dev)
-            if common.numel() != spec.width:
-                raise ValueError(f"{common.numel()} {what} teacher ids, payload width {spec.width}")
+            want = spec.pairs if spec.form == "gold_topk" else spec.width
+            if common.numel() != want:
+                raise ValueError(f"{common.numel()} {what} teacher ids, payload of {want}")
             if spec.form == "image" and common.numel() > 1 and bool((common.diff() <= 0).any()):
                 raise ValueError("image_teacher_ids must be ascending and distinct (the order "
                                  "in which the student numbers W's image: teacher_image(...))")
@@ -115,17 +130,32 @@ class _Teacher:
         tail = all_reduce(rest.exp().sum(1), self.tp_group)
         return {"logprobs": top_v, "columns": top_i, "tail_logprob": tail.clamp_min(TINY).log()}
 
-    def finish_gold(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _gold_parts(self, mean: torch.Tensor, pairs: int, n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the chunk-mean log-probs on the ``pairs`` common pairs, the ``n`` largest uncommon
+        probabilities, descending), each over all of V_t (TP-reduced)."""
         rows = mean.shape[0]
-        common = mean.new_zeros(rows, self.spec.width)
+        common = mean.new_zeros(rows, pairs)
         common[:, self.pair_local] = mean[:, self.col_common]
         all_reduce(common, self.tp_group)
-        n = self.spec.uncommon
         rest = mean.clone()
         rest[:, self.col_common] = float("-inf")
         vals, idx = rest.topk(min(n, self.num_real), dim=1)
         top_v, _ = _merge_topk(vals, idx, n, self.tp_group)
-        return {"logprobs": common, "uncommon_probs": top_v.exp()}
+        return common, top_v.exp()
+
+    def finish_gold(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        common, probs = self._gold_parts(mean, self.spec.width, self.spec.uncommon)
+        return {"logprobs": common, "uncommon_probs": probs}
+
+    def finish_gold_topk(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Compact gold (:func:`definitions.formulas.gold_topk_teacher`) from the gold parts."""
+        spec = self.spec
+        common, probs = self._gold_parts(mean, spec.pairs, spec.span)
+        b_top, cols, rest, t_head, t_tail = gold_topk_teacher(common, probs, spec.width,
+                                                              spec.uncommon)
+        return {"logprobs": b_top, "columns": cols, "tail_logprob": rest,
+                "uncommon_probs": t_head, "uncommon_tail": t_tail}
 
     def finish_image(self, mean: torch.Tensor) -> dict[str, torch.Tensor]:
         """P = exp(mean) on W's image, the float64 sums of P log P over all of V_t (0 log 0 =
@@ -179,7 +209,7 @@ def teacher_payload(
 
     ``logits`` [B, T_local, V_local]; ``pred_chunk_id`` [B, T_local] (predicting chunk ids,
     -1 none, slots < ``spec.num_chunks``); ``vocab_size``: the real teacher vocabulary V_t;
-    ``common_teacher_ids``: the teacher side of the common pairs (gold form);
+    ``common_teacher_ids``: the teacher side of the common pairs (gold forms);
     ``image_teacher_ids``: W's image, ascending (image form,
     :func:`kernels.image_projection.teacher_image`).
     """
@@ -196,8 +226,9 @@ def teacher_payload(
     if spec.form == "topk":
         columns = _microbatch_topk(t, spec.width, pred_chunk_id.reshape(-1) >= 0)
     finish = {"full": t.finish_full, "chunk_topk": t.finish_chunk_topk,
-              "gold": t.finish_gold, "image": t.finish_image, "topk": None}[spec.form]
-    per_block = spec.form in ("chunk_topk", "gold", "image")
+              "gold": t.finish_gold, "gold_topk": t.finish_gold_topk,
+              "image": t.finish_image, "topk": None}[spec.form]
+    per_block = spec.form in ("chunk_topk", "gold", "gold_topk", "image")
 
     done_rows, done_vals, sums = [], [], []
     split_buf = None

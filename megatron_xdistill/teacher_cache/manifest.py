@@ -124,7 +124,8 @@ def check_key(root: str | os.PathLike, manifest: Manifest, run_key: dict, readin
     """Refuse a cache made for another configuration, naming every differing field.
     ``narrowed``: the reading run takes fewer of a chunk top-k cache's columns (see
     :mod:`.narrowing`), so its top-k and payload size may be smaller."""
-    free = (READER_FREE + (("payload.topk", "payload.numel") if narrowed else ())
+    free = (READER_FREE + (("payload.topk", "payload.numel", "payload.gold_topk") if narrowed
+                           else ())
             if reading else ())
     diff = key_differences(manifest.key, run_key, free)
     if diff:

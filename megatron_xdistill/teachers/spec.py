@@ -48,6 +48,8 @@ _FLAG_OF = {
     "kd_loss": "kd_loss",
     "kd_topk": "kd_topk",
     "kd_topk_mode": "kd_topk_mode",
+    "kd_gold_topk": "kd_gold_topk",
+    "kd_gold_uncommon_topk": "kd_gold_uncommon_topk",
     "kd_temperature": "kd_temperature",
     "kd_reverse": "kd_reverse",
     "gkd_beta": "gkd_beta",
@@ -61,7 +63,8 @@ _TYPES = {"load": str, "tokenizer_model": str, "projection_path": str,
           "tensor_model_parallel_size": int, "pipeline_model_parallel_size": int,
           "context_parallel_size": int, "expert_model_parallel_size": int,
           "sequence_parallel": bool, "seq_length": int,
-          "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_temperature": float,
+          "kd_loss": str, "kd_topk": int, "kd_topk_mode": str, "kd_gold_topk": int,
+          "kd_gold_uncommon_topk": int, "kd_temperature": float,
           "kd_reverse": bool, "gkd_beta": float, "kd_skip_student_split_chunks": bool,
           "kd_first_token": bool, "weight": float, "ranks": int, "cache": str}
 
@@ -82,6 +85,8 @@ class TeacherSpec:
     kd_loss: str
     kd_topk: int
     kd_topk_mode: str
+    kd_gold_topk: int  # compact gold / H-KL: common pairs shipped (0: all)
+    kd_gold_uncommon_topk: int  # and sorted uncommon probabilities (0: all)
     kd_temperature: float
     kd_reverse: bool
     gkd_beta: float | None  # GKD's generalized JSD (None: forward or, with kd_reverse, reverse KL)

@@ -29,16 +29,19 @@ from megatron_xdistill.loss.definitions.chunk_starts import (
     merge_into_heads,
     single_teacher_token_chunks,
 )
+from megatron_xdistill.loss.definitions.payload import GOLD_FORMS
 from megatron_xdistill.parallel.layout import ModelParallelGroups
 from megatron_xdistill.teachers.spec import TeacherSpec
 
 
-def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str) -> str:
+def payload_form(kd_loss: str, kd_topk: int, kd_topk_mode: str, gold_topk: int = 0,
+                 gold_uncommon_topk: int = 0) -> str:
     """Which teacher payload a configuration ships (see loss.payload_spec). The exact P-KL
     (``--kd-topk 0``) ships the teacher's columns on W's image with its sums over the rest
-    ("image": exact, |I| / V_t of the full rows)."""
+    ("image": exact, |I| / V_t of the full rows); gold / H-KL the compact form
+    ("gold_topk") unless ``--kd-gold-topk`` and ``--kd-gold-uncommon-topk`` are both 0."""
     if kd_loss in ("gold", "hkl"):
-        return "gold"
+        return "gold_topk" if gold_topk or gold_uncommon_topk else "gold"
     if kd_topk == 0:
         return "image"
     return "topk" if kd_topk_mode == "global" else "chunk_topk"
@@ -51,17 +54,24 @@ def common_vocab_rule(kd_loss: str) -> str:
 
 
 def payload_columns(form: str, matrix, kd_loss: str):
-    """The teacher ids of a payload's fixed columns: the common pairs' (gold form), W's image
+    """The teacher ids of a payload's fixed columns: the common pairs' (gold forms), W's image
     over the student tokens (image form: the rows of W; a model's rows past them are empty),
     else None."""
     if matrix is None:
         return None
-    if form == "gold":
+    if form in GOLD_FORMS:
         return matrix.common_vocab(common_vocab_rule(kd_loss))[1]
     if form == "image":
         rows = matrix.student_vocab_size
         return teacher_image(*matrix.local_shard(0, rows), rows)
     return None
+
+
+def gold_topk_sizes(spec, student_vocab_size: int) -> dict:
+    """``payload_spec``'s compact gold arguments of a teacher's settings (``spec``: a
+    TeacherSpec, or a run's arguments as a teacher sees them)."""
+    return {"gold_topk": spec.kd_gold_topk, "gold_uncommon_topk": spec.kd_gold_uncommon_topk,
+            "student_vocab_size": student_vocab_size}
 
 
 def load_or_build_projection(projection_path: str | None, student_tokenizer: str,
@@ -116,9 +126,10 @@ class KDObjective:
                 f"models' vocabularies are {self.student_vocab} (student) and {self.teacher_vocab} "
                 f"(teacher): was it built for other tokenizers?")
         self.mode = spec.kd_loss
-        self.form = payload_form(spec.kd_loss, spec.kd_topk, spec.kd_topk_mode)
+        self.form = payload_form(spec.kd_loss, spec.kd_topk, spec.kd_topk_mode,
+                                 spec.kd_gold_topk, spec.kd_gold_uncommon_topk)
         common_student = common_teacher = None
-        if self.form == "gold" and matrix is not None:
+        if self.form in GOLD_FORMS and matrix is not None:
             common_student, common_teacher = matrix.common_vocab(common_vocab_rule(spec.kd_loss))
         self.common_student, self.common_teacher = common_student, common_teacher
         self.image = (payload_columns(self.form, matrix, spec.kd_loss)
@@ -127,7 +138,8 @@ class KDObjective:
         self.spec = None if self.ce_only else payload_spec(
             self.form, self.num_chunks, self.teacher_vocab, topk=spec.kd_topk or None,
             num_common=None if common_teacher is None else len(common_teacher),
-            num_image=None if self.image is None else self.image.numel())
+            num_image=None if self.image is None else self.image.numel(),
+            **gold_topk_sizes(spec, self.student_vocab))
         self.heads = self.unreached = None  # --kd-first-token: where teacher mass moves
         if spec.kd_first_token and student.member and matrix is not None:
             self.heads, self.unreached = first_token_heads_of(

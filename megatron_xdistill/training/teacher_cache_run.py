@@ -19,10 +19,12 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
     from megatron_xdistill import models as models_api
     from megatron_xdistill.data.sources import parse_data_path
     from megatron_xdistill.loss import payload_spec
+    from megatron_xdistill.loss.definitions.payload import GOLD_FORMS
     from megatron_xdistill.projection.vocab import vocab_hash
     from megatron_xdistill.teacher_cache import TeacherCache, checkpoint_fingerprint
     from megatron_xdistill.teacher_cache.key import run_key
     from megatron_xdistill.training.kd_adapter import (
+        gold_topk_sizes,
         load_or_build_projection,
         payload_columns,
         payload_form,
@@ -42,9 +44,10 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
         num_samples = cache.manifest.num_samples
     elif num_samples is None:
         num_samples = args.train_iters * args.global_batch_size
-    form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode)
+    form = payload_form(args.kd_loss, args.kd_topk, args.kd_topk_mode, args.kd_gold_topk,
+                        args.kd_gold_uncommon_topk)
     common = None  # the teacher ids of the payload's fixed columns (gold / image forms)
-    if form in ("gold", "image"):
+    if form in (*GOLD_FORMS, "image"):
         if tokenizers.same_tokenizer[k] and args.load is None:
             raise ValueError(
                 f"--teacher-cache-only without --load: {who.strip() or 'the teacher'} uses the "
@@ -55,10 +58,15 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
         common = payload_columns(form, load_or_build_projection(
             args.projection_path, args.tokenizer_model, args.teacher_tokenizer_model, log,
             shared), args.kd_loss)
+    # the student's vocabulary as the run's KDObjective sees it (compact gold: the ranks n)
+    student_vocab = (models_api.load_model_info(args.load).vocab_size if args.load is not None
+                     else len(tokenizers.student_tokenizer))
     spec = payload_spec(form, args.seq_length + 1, teacher_info.vocab_size,
                         topk=args.kd_topk or None,
-                        num_common=None if common is None or form != "gold" else len(common),
-                        num_image=None if common is None or form != "image" else len(common))
+                        num_common=None if common is None or form not in GOLD_FORMS
+                        else len(common),
+                        num_image=None if common is None or form != "image" else len(common),
+                        **gold_topk_sizes(args, student_vocab))
     teacher = (checkpoint_fingerprint(args.teacher_load) if args.teacher_load is not None
                else cache.manifest.key["teacher"]["checkpoint"])  # reading without a teacher
     key = run_key(
@@ -70,6 +78,8 @@ def open_teacher_cache(args, tokenizers, log=print, k: int = 0,
         num_samples=num_samples, form=form, topk=args.kd_topk, temperature=args.kd_temperature,
         numel=spec.numel + int(getattr(args, "teacher_combination", "sum") == "select"),
         common_teacher_ids=common, split=args.split,
+        gold_topk=((spec.width, spec.uncommon, spec.span, spec.pairs) if form == "gold_topk"
+                   else None),
         packed_with=[(vocab_hash(t), s.seq_length) for t, s in zip(
             tokenizers.teacher_tokenizers, args.teachers, strict=True)] if several else None)
     cache.check(key)

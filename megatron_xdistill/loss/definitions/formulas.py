@@ -102,3 +102,61 @@ def grad_scale(weight: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """Per row weight / total: q = u / total, dq_t/du_k = (delta_tk - q_t [sum above TINY])
     / total."""
     return (weight.to(inv.dtype).expand(inv.shape[0]) * inv).contiguous()
+
+
+def gold_topk_teacher(
+    b_common: torch.Tensor, t_sorted: torch.Tensor, k: int, k_uncommon: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compact gold payload of a chunk from today's: teacher chunk-mean log-probs on the
+    M common pairs ``b_common`` [.., M] and the n sorted uncommon probabilities ``t_sorted``
+    [.., n] -> (columns [.., k]: the pairs of the k largest b, descending; their log-probs
+    [.., k]; the log of the other pairs' summed probability (floored at TINY) [..]; the k'
+    largest uncommon probabilities [.., k']; the sum of the n - k' others [..]).
+    ``k`` <= M and ``k_uncommon`` <= n (:func:`gold_topk_sizes`)."""
+    values, columns = b_common.topk(k, dim=-1)
+    rest = b_common.scatter(-1, columns, float("-inf")).exp().sum(-1)
+    t_tail = t_sorted[..., k_uncommon:].sum(-1)
+    return values, columns, rest.clamp_min(TINY).log(), t_sorted[..., :k_uncommon], t_tail
+
+
+def gold_topk_sizes(k: int, k_uncommon: int, num_common: int, span: int) -> tuple[int, int]:
+    """(common pairs, sorted uncommon probabilities) a compact gold payload ships: the flags'
+    ``k`` / ``k_uncommon`` (0: all) capped at the M pairs and the n compared ranks."""
+    if k < 0 or k_uncommon < 0:
+        raise ValueError(f"compact gold sizes must be >= 0 (0: all), got {k}, {k_uncommon}")
+    return (min(k or num_common, num_common), min(k_uncommon or span, span))
+
+
+def gold_topk_kl(
+    a_common: torch.Tensor, columns: torch.Tensor, b_top: torch.Tensor,
+    b_rest_log: torch.Tensor, s_sorted: torch.Tensor, t_head: torch.Tensor,
+    t_tail: torch.Tensor, beta: float,
+) -> torch.Tensor:
+    """Compact gold / H-KL of a chunk (docs/losses.md, "Compact gold"): :func:`gold_kl` with
+    the teacher's common pairs outside its top k merged into one bucket and its sorted uncommon
+    probabilities past rank k' into one tail, the student's alike.
+
+    ``a_common`` [.., M]: the student's chunk-mean log-probs on all M common pairs;
+    ``columns`` / ``b_top`` [.., k] and ``b_rest_log`` [..]: the teacher's top k pairs, their
+    log-probs and the log of the rest's mass (:func:`gold_topk_teacher`); ``s_sorted``
+    [.., n]: the student's n largest uncommon probabilities, descending; ``t_head`` [.., k']
+    and ``t_tail`` [..]: the teacher's k' largest and the sum of its ranks k'..n-1.
+
+    Common part: the divergence (``beta``) between (b on K, log of the teacher's mass off K)
+    and (a on K, logsumexp of a off K); no bucket when K holds all M pairs. Uncommon part:
+    sum over ranks j < k' of |s_j - t_j| plus |sum_{k'<=j<n} s_j - t_tail|. With k = M and
+    k' = n it is :func:`gold_kl` (up to the order of summation). Merging terms can only lower
+    each part (log-sum inequality; triangle inequality), so for nested top sets the value
+    grows with k and with k' up to :func:`gold_kl`, and the uncommon part falls short of it by
+    at most the two tails' masses (sum_{j>=k'} s_j + t_tail).
+    """
+    a_top = a_common.gather(-1, columns)
+    log_p, log_q = b_top, a_top
+    if columns.shape[-1] < a_common.shape[-1]:  # a bucket: the pairs off the teacher's top k
+        a_rest = a_common.scatter(-1, columns, float("-inf")).logsumexp(-1)
+        log_p = torch.cat([b_top, b_rest_log[..., None].to(b_top.dtype)], dim=-1)
+        log_q = torch.cat([a_top, a_rest[..., None]], dim=-1)
+    kl = divergence(log_p, None, log_q, beta)
+    head = t_head.shape[-1]
+    l1 = (s_sorted[..., :head] - t_head).abs().sum(-1)
+    return kl + l1 + (s_sorted[..., head:].sum(-1) - t_tail).abs()

@@ -15,6 +15,12 @@ Forms (``PayloadSpec.form``):
                 teacher tokens) + ``tail_logprob`` [B, C] (log of the rest's summed mass).
 ``gold``        ``logprobs`` [B, C, M] at the common teacher ids (in the order of the common
                 pairs) + ``uncommon_probs`` [B, C, L], the uncommon probs sorted descending.
+``gold_topk``   compact gold (docs/losses.md, "Compact gold"): ``logprobs`` [B, C, k] of the
+                teacher's k most probable common pairs, descending, at ``columns`` [B, C, k]
+                (indices into the common pairs) + ``tail_logprob`` [B, C] (log of its mass on
+                the other pairs; unused when k = M) + ``uncommon_probs`` [B, C, k'] (its k'
+                largest uncommon probabilities, descending) + ``uncommon_tail`` [B, C] (the sum
+                of its ranks k'..n-1; n = ``PayloadSpec.span``).
 ``image``       the exact form's payload on W's image I only: ``probs`` [B, C, |I|], the teacher's
                 P = exp(chunk-mean log-probs) at the teacher ids of I (ascending; probabilities,
                 not logs: the student's pass over them then takes no exp) + ``sums``
@@ -34,7 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-FORMS = ("full", "topk", "chunk_topk", "gold", "image")
+FORMS = ("full", "topk", "chunk_topk", "gold", "gold_topk", "image")
+#: the forms of the gold / H-KL losses
+GOLD_FORMS = ("gold", "gold_topk")
 _MAX_EXACT_ID = 1 << 24  # float32 holds every integer below this exactly
 
 
@@ -55,20 +63,30 @@ def pair_as_float64(pair: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class PayloadSpec:
     """Shape of a payload: ``form``, ``num_chunks`` C, ``width`` (columns per chunk row:
-    V_t / k / k / M / |I|), ``uncommon`` (gold: L sorted uncommon probs per chunk)."""
+    V_t / k / k / M / k / |I|), ``uncommon`` (gold: L sorted uncommon probs per chunk; compact
+    gold: k' of them). Compact gold only, not shipped: ``span`` (n, the sorted uncommon ranks
+    the loss compares) and ``pairs`` (M, the common pairs the columns index)."""
 
     form: str
     num_chunks: int
     width: int
     uncommon: int = 0
+    span: int = 0
+    pairs: int = 0
 
     def __post_init__(self) -> None:
         if self.form not in FORMS:
             raise ValueError(f"payload form must be one of {FORMS}, got {self.form!r}")
         if self.num_chunks < 0 or self.width < 0 or self.uncommon < 0:
             raise ValueError(f"payload sizes must be >= 0: {self}")
-        if self.uncommon and self.form != "gold":
-            raise ValueError("only the gold form carries uncommon probabilities")
+        if self.uncommon and self.form not in GOLD_FORMS:
+            raise ValueError("only the gold forms carry uncommon probabilities")
+        if self.form == "gold_topk":
+            if self.width > self.pairs or self.uncommon > self.span:
+                raise ValueError(f"a compact gold payload ships at most its {self.pairs} common "
+                                 f"pairs and {self.span} uncommon ranks: {self}")
+        elif self.span or self.pairs:
+            raise ValueError(f"only the compact gold form has span / pairs: {self}")
 
     def _parts(self) -> list[tuple[str, tuple[int, ...]]]:
         c, w = self.num_chunks, self.width
@@ -79,6 +97,9 @@ class PayloadSpec:
             parts += [("columns", (c, w)), ("tail_logprob", (c,))]
         if self.form == "gold":
             parts.append(("uncommon_probs", (c, self.uncommon)))
+        if self.form == "gold_topk":
+            parts += [("columns", (c, w)), ("tail_logprob", (c,)),
+                      ("uncommon_probs", (c, self.uncommon)), ("uncommon_tail", (c,))]
         if self.form == "image":
             parts += [("sums", (c, 4)), ("teacher_argmax", (c,))]
         return parts
@@ -114,6 +135,7 @@ class TeacherPayload:
     columns: torch.Tensor | None = None
     tail_logprob: torch.Tensor | None = None
     uncommon_probs: torch.Tensor | None = None
+    uncommon_tail: torch.Tensor | None = None
     sums: torch.Tensor | None = None
     teacher_argmax: torch.Tensor | None = None
     probs: torch.Tensor | None = None
@@ -176,11 +198,15 @@ class TeacherPayload:
                              f"{self.spec.form!r}")
         return pair_as_float64(self.sums[..., 0:2]), pair_as_float64(self.sums[..., 2:4])
 
-    def narrowed(self, k: int) -> TeacherPayload:
+    def narrowed(self, k: int, k_uncommon: int | None = None) -> TeacherPayload:
         """A chunk top-k payload cut to its ``k`` most probable columns per chunk: the columns
         are held in descending order, so these are what a top-``k`` teacher ships, and the
         dropped columns' mass joins the tail. Rows without a teacher stay
-        zeros. Lets a cache filled at a large k serve any smaller one."""
+        zeros. Lets a cache filled at a large k serve any smaller one. A compact gold payload
+        likewise, to ``k`` pairs and ``k_uncommon`` sorted uncommon probabilities."""
+        if self.spec.form == "gold_topk":
+            return self._narrowed_gold(k, self.spec.uncommon if k_uncommon is None
+                                       else k_uncommon)
         if self.spec.form != "chunk_topk":
             raise ValueError(f"only chunk top-k payloads can be narrowed, not {self.spec.form!r}")
         if not 0 < k <= self.spec.width:
@@ -194,6 +220,25 @@ class TeacherPayload:
             logprobs=self.logprobs[..., :k].contiguous(), has_teacher=self.has_teacher,
             columns=self.columns[..., :k].contiguous(),
             tail_logprob=tail)
+
+    def _narrowed_gold(self, k: int, k_uncommon: int) -> TeacherPayload:
+        """:meth:`narrowed` of a compact gold payload: the dropped pairs' mass joins the
+        bucket, the dropped uncommon probabilities the tail (what the teacher ships at the
+        smaller sizes, up to the order of summation)."""
+        spec = self.spec
+        if not (0 < k <= spec.width and 0 <= k_uncommon <= spec.uncommon):
+            raise ValueError(f"cannot narrow a compact gold payload of {spec.width} pairs and "
+                             f"{spec.uncommon} uncommon probabilities to {k} and {k_uncommon}")
+        bucket = (self.tail_logprob.exp() + self.logprobs[..., k:].exp().sum(-1)).log()
+        tail = self.uncommon_tail + self.uncommon_probs[..., k_uncommon:].sum(-1)
+        return TeacherPayload(
+            spec=PayloadSpec("gold_topk", spec.num_chunks, k, k_uncommon, span=spec.span,
+                             pairs=spec.pairs),
+            logprobs=self.logprobs[..., :k].contiguous(), has_teacher=self.has_teacher,
+            columns=self.columns[..., :k].contiguous(),
+            tail_logprob=torch.where(self.has_teacher, bucket, self.tail_logprob),
+            uncommon_probs=self.uncommon_probs[..., :k_uncommon].contiguous(),
+            uncommon_tail=torch.where(self.has_teacher, tail, self.uncommon_tail))
 
     def select(self, samples: torch.Tensor | list[int]) -> TeacherPayload:
         """The payload of a subset of samples (rows in the given order)."""

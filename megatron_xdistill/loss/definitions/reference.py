@@ -11,6 +11,13 @@ Teacher column set K of P-KL: all of V_t by default; ``vocab_topk=k`` takes NeMo
 microbatch-global top-k (largest teacher logit anywhere in the batch, per column);
 ``chunk_topk=k`` the compressed form (each chunk's k most probable teacher tokens plus one bucket
 holding the rest of V_t).
+
+Gold / H-KL: the divergence on the common pairs of the student's and the teacher's chunk-mean
+log-probs a, b plus the L1 between their n = min(V_s - M, V_t - M, ``uncommon_topk``) largest
+uncommon probabilities, sorted. ``gold_topk=(k, k')``, the compact form
+(:func:`formulas.gold_topk_kl`): the teacher's top k common pairs and one bucket for the rest
+of its common mass, its top k' sorted uncommon probabilities and one tail for ranks k'..n-1;
+(M, n) or (0, 0) is today's gold exactly, and the value grows towards it with k and k'.
 """
 
 from __future__ import annotations
@@ -30,7 +37,14 @@ from megatron_xdistill.loss.definitions.common import (
     gold_uncommon_len,
     predicting_chunk_id,
 )
-from megatron_xdistill.loss.definitions.formulas import chunk_topk_columns, gold_kl, projected_kl
+from megatron_xdistill.loss.definitions.formulas import (
+    chunk_topk_columns,
+    gold_kl,
+    gold_topk_kl,
+    gold_topk_sizes,
+    gold_topk_teacher,
+    projected_kl,
+)
 
 
 @dataclass
@@ -86,6 +100,7 @@ def kd_loss_details(
     common: tuple[torch.Tensor, torch.Tensor] | None = None,
     jsd_beta: float | None = None,
     teacher_heads: torch.Tensor | None = None,
+    gold_topk: tuple[int, int] | None = None,
 ) -> ReferenceDetails:
     """Per-chunk losses; see :func:`kd_loss`. ``teacher_heads`` [V_t] (forward P-KL with
     ``chunk_topk``): the chunk's top-k teacher mass summed onto ``teacher_heads[column]``
@@ -141,7 +156,12 @@ def kd_loss_details(
         s_sorted = a[..., unc_s].exp().topk(n, dim=-1).values
         t_sorted = b[..., unc_t].exp().topk(n, dim=-1).values
         a_c, b_c = a[..., common_s], b[..., common_t]
-        kl = gold_kl(a_c, b_c, s_sorted, t_sorted, beta)
+        if gold_topk is not None:  # the compact form: what the teacher ships, then its loss
+            k, k_unc = gold_topk_sizes(*gold_topk, common_s.numel(), n)
+            b_top, cols, rest, t_head, t_tail = gold_topk_teacher(b_c, t_sorted, k, k_unc)
+            kl = gold_topk_kl(a_c, cols, b_top, rest, s_sorted, t_head, t_tail, beta)
+        else:
+            kl = gold_kl(a_c, b_c, s_sorted, t_sorted, beta)
         if common_s.numel():
             top1 = a_c.argmax(-1) == b_c.argmax(-1)
         else:
@@ -186,6 +206,7 @@ def kd_loss(
     uncommon_topk: int = UNCOMMON_TOPK,
     common: tuple[torch.Tensor, torch.Tensor] | None = None,
     jsd_beta: float | None = None,
+    gold_topk: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Cross-tokenizer KD loss (scalar): T^2 * mean over counted chunks of KL_c.
 
@@ -195,11 +216,12 @@ def kd_loss(
     "gold" (strict common vocabulary) or "hkl" (xtoken common vocabulary); ``common``: their
     (student_ids, teacher_ids) pairs when already known (else taken from a dense W).
     ``reverse``: KL(student || teacher); ``jsd_beta``: GKD's generalized JSD instead
-    (:func:`definitions.formulas.divergence`; 0 forward KL, 1 reverse KL).
+    (:func:`definitions.formulas.divergence`; 0 forward KL, 1 reverse KL). ``gold_topk``
+    (k, k'): gold / H-KL from the compact payload (0: all; see the module docstring).
     """
     return kd_loss_details(
         student_logits, teacher_logits, student_chunk_id, teacher_chunk_id, chunk_valid,
         chunk_exact, projection, mode, temperature, reverse, exact_only,
         vocab_topk=vocab_topk, chunk_topk=chunk_topk, uncommon_topk=uncommon_topk, common=common,
-        jsd_beta=jsd_beta,
+        jsd_beta=jsd_beta, gold_topk=gold_topk,
     ).loss

@@ -202,7 +202,6 @@ class GoldKernel:
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = raw["x"]
         rows = x.shape[0]
-        n = self.num_uncommon
         if self._by_rows(x) and not any(v.requires_grad for v in raw.values()):
             kl, agree = self._rows_kl(raw, keys, counts)[:2]
             return kl, (agree if top1 else None)
@@ -211,27 +210,49 @@ class GoldKernel:
             return kl, (agree if top1 else None)
         t_sorted = self._teacher_sorted(keys)
         b_common = rows_of(self.payload.logprobs, keys)
-        a_common = self._means(raw, counts, self.col_common)
-        if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
-            a_common = a_common.new_zeros(rows, self.num_common).index_copy(
-                1, self.pair_local, a_common)
-        a_common = replicated_sum(a_common, self.tp_group)
-        a_unc = self._means(raw, counts, self.col_uncommon)
-        if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
-            a_unc = torch.cat([a_unc, x.new_full((rows, n - a_unc.shape[1]), float("-inf"))], 1)
+        a_common = self.common_means(raw, counts)
+        a_unc = self._uncommon_candidates(raw, counts)
         kl = divergence(b_common, None, a_common, self.beta)
         if self._by_runs(a_unc):
             kl = kl + sorted_l1.sorted_l1(a_unc, t_sorted, self._memo(), keys)
         else:
-            merged = sorted_top(a_unc, n)  # descending
-            if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
-                merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
-            kl = kl + (merged.exp() - t_sorted).abs().sum(-1)
+            kl = kl + (self._merged_top(a_unc).exp() - t_sorted).abs().sum(-1)
         if not top1:
             return kl, None
         if self.num_common:
             return kl, a_common.argmax(-1) == b_common.argmax(-1)
         return kl, torch.zeros(rows, dtype=torch.bool, device=x.device)
+
+    def common_means(self, raw: Raw, counts: torch.Tensor) -> torch.Tensor:
+        """The student's chunk-mean log-probs a on all M common pairs [r, M], in the pairs'
+        order, the same on every TP rank (each rank's pairs summed over TP)."""
+        a_common = self._means(raw, counts, self.col_common)
+        if self.pair_local.numel() < self.num_common:  # TP > 1: this shard's pairs only
+            a_common = a_common.new_zeros(a_common.shape[0], self.num_common).index_copy(
+                1, self.pair_local, a_common)
+        return replicated_sum(a_common, self.tp_group)
+
+    def _uncommon_candidates(self, raw: Raw, counts: torch.Tensor) -> torch.Tensor:
+        """This shard's uncommon chunk means, -inf padded to at least n columns."""
+        x, n = raw["x"], self.num_uncommon
+        a_unc = self._means(raw, counts, self.col_uncommon)
+        if a_unc.shape[1] < n:  # every rank offers n candidates; -inf pads a short shard
+            a_unc = torch.cat([a_unc, x.new_full((x.shape[0], n - a_unc.shape[1]),
+                                                 float("-inf"))], 1)
+        return a_unc
+
+    def _merged_top(self, a_unc: torch.Tensor) -> torch.Tensor:
+        """The n largest uncommon means over all of V_s [r, n], descending (differentiable)."""
+        n = self.num_uncommon
+        merged = sorted_top(a_unc, n)  # descending
+        if group_size(self.tp_group) > 1:  # the n largest of every rank's n largest
+            merged = sorted_top(replicated_gather(merged, self.tp_group, dim=1), n)
+        return merged
+
+    def sorted_uncommon(self, raw: Raw, counts: torch.Tensor) -> torch.Tensor:
+        """The student's n largest uncommon chunk-mean log-probs over all of V_s [r, n],
+        descending (-inf where V_s has fewer), the same on every TP rank."""
+        return self._merged_top(self._uncommon_candidates(raw, counts))
 
     def raw_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
                  weight: torch.Tensor) -> Raw | None:

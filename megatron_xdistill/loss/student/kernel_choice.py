@@ -12,8 +12,9 @@ from megatron_xdistill.loss.blocks.shard import ProjectionShard
 from megatron_xdistill.loss.collectives import Group, all_reduce
 from megatron_xdistill.loss.cpu.threads import numba_takes
 from megatron_xdistill.loss.definitions.common import GOLD_RULES
-from megatron_xdistill.loss.definitions.payload import TeacherPayload
+from megatron_xdistill.loss.definitions.payload import GOLD_FORMS, TeacherPayload
 from megatron_xdistill.loss.kernels.gold import GoldKernel
+from megatron_xdistill.loss.kernels.gold_topk import CompactGoldKernel
 from megatron_xdistill.loss.kernels.image import ImageKernel
 from megatron_xdistill.loss.kernels.pkl import ColumnsKernel, DenseKernel
 
@@ -33,11 +34,11 @@ class NoKernel:
 
 def kernel_class_for(mode: str, form: str) -> type:
     """The kernel for a loss mode and a teacher payload form (P-KL: all of V_t, W's image or
-    columns; gold / H-KL: common + uncommon)."""
-    if (mode == "pkl") == (form == "gold"):
+    columns; gold / H-KL: common + uncommon, in full or compact)."""
+    if (mode == "pkl") == (form in GOLD_FORMS):
         raise ValueError(f"mode {mode!r} cannot use a {form!r} teacher payload")
     if mode != "pkl":
-        return GoldKernel
+        return CompactGoldKernel if form == "gold_topk" else GoldKernel
     return {"full": DenseKernel, "image": ImageKernel}.get(form, ColumnsKernel)
 
 
@@ -97,6 +98,15 @@ def build_kernel(kernel_class: type, payload: TeacherPayload, rows: ChunkRows, p
         raise ValueError(f"mode {options.mode!r} needs common_student_ids "
                          f"(ProjectionMatrix.common_vocab({GOLD_RULES[options.mode]!r}))")
     common = torch.as_tensor(options.common_student_ids, dtype=torch.int64, device=dev)
+    if payload.spec.form == "gold_topk":
+        if common.numel() != payload.spec.pairs:
+            raise ValueError(f"{common.numel()} common ids but the compact gold payload was "
+                             f"made for {payload.spec.pairs} common pairs")
+        if payload.spec.span > options.uncommon_topk:
+            raise ValueError(f"the compact gold payload compares {payload.spec.span} sorted "
+                             f"uncommon probabilities, more than uncommon_topk "
+                             f"{options.uncommon_topk}: make it with the same uncommon_topk")
+        return CompactGoldKernel(payload, common, vocab.start, num_real, options.beta, tp_group)
     if common.numel() != payload.spec.width:
         raise ValueError(f"{common.numel()} common ids but the payload has "
                          f"{payload.spec.width} common columns")

@@ -74,6 +74,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                f"{who}: --kd-reverse is --gkd-beta 1; drop one of --kd-reverse and --gkd-beta "
                f"{spec.gkd_beta}")
         _check(spec.kd_topk >= 0, f"{who}: --kd-topk must be >= 0 (0 = full teacher vocabulary)")
+        _check(spec.kd_gold_topk >= 0 and spec.kd_gold_uncommon_topk >= 0,
+               f"{who}: --kd-gold-topk {spec.kd_gold_topk} and --kd-gold-uncommon-topk "
+               f"{spec.kd_gold_uncommon_topk} must be >= 0 (0 = all)")
         _check(spec.kd_loss in KD_LOSSES, f"{who}: kd_loss must be one of {list(KD_LOSSES)}, "
                f"got {spec.kd_loss!r}")
         _check(spec.kd_topk_mode in TOPK_MODES, f"{who}: kd_topk_mode must be one of "

@@ -222,16 +222,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kd-loss", choices=KD_LOSSES, default="pkl",
                    help="projected KL (pkl), gold/ULD hybrid (gold) or H-KL (hkl). pkl is the "
                    "default for its cost: a payload of --kd-topk columns per chunk (522 B per "
-                   "student token at top-64). gold ships every common-vocabulary probability "
-                   "(120-190 KB per token, 230-365x) and its loss is 4-6x pkl's on CPU "
+                   "student token at top-64). gold ships, by default, a compact payload of about "
+                   "1.5 KB per token (--kd-gold-topk, --kd-gold-uncommon-topk), or with both at "
+                   "0 every common-vocabulary probability (120-190 KB per token, 230-365x, as in "
+                   "the study below); its loss is 4-6x pkl's on CPU "
                    "(benchmarks/bench_loss.py); hkl costs the same. In the quality study (3 seeds "
                    "each) gold and hkl taught a random-init student best (0.06 / 0.09-0.12 "
                    "bits/byte ahead of pkl top-64; hkl, whose common vocabulary adds rows of "
                    "top-1 weight >= 0.6, 0.03 ahead of gold on one held-out set, within the seed "
                    "spread) and gold a pretrained one a little worse than pkl with "
-                   "--kd-first-token (0.005 / 0.009 behind): try them where an online teacher on "
-                   "the same node can afford the payload "
-                   "(examples/cross_tokenizer_distillation/REPORT.md)")
+                   "--kd-first-token (0.005 / 0.009 behind), with the full payload "
+                   "(examples/cross_tokenizer_distillation/REPORT.md; the compact default's "
+                   "rows are the study's gold_c* / hkl_c* variants, docs/losses.md)")
+    g.add_argument("--kd-gold-topk", type=int, default=64, metavar="K",
+                   help="gold / hkl: the teacher ships each chunk's K most probable common "
+                   "pairs and one bucket for its mass on the others (the student's bucket is "
+                   "exact); 0 = every common pair. With --kd-gold-uncommon-topk 256 the payload "
+                   "is 1,548 B a chunk (2K + K' + 3 floats) instead of 120-190 KB per token; "
+                   "0 and 0 ship today's full gold payload. K = 64 as --kd-topk's default "
+                   "(docs/losses.md, 'Compact gold / H-KL')")
+    g.add_argument("--kd-gold-uncommon-topk", type=int, default=256, metavar="K'",
+                   help="gold / hkl: the teacher ships its K' largest uncommon probabilities, "
+                   "sorted, and one tail for the rest of the 8,192 ranks the loss compares "
+                   "(the student's tail is exact); 0 = all of them. 256 keeps the default "
+                   "payload under 2 KB per token")
     g.add_argument("--kd-temperature", type=float, default=1.0,
                    help="softens both sides' distributions (the KL is scaled by T^2). 1 by "
                    "measurement: in the quality study (3 seeds) T = 2 lost most of T = 1's gain "
@@ -306,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--teachers-config", default=None, metavar="TEACHERS.yaml",
                    help="distil from several teachers: a YAML list under 'teachers', each with "
                    "its own load, tokenizer_model, projection_path, tensor/pipeline/context "
-                   "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_temperature, "
+                   "parallel sizes, seq_length, kd_loss, kd_topk, kd_topk_mode, kd_gold_topk, "
+                   "kd_gold_uncommon_topk, kd_temperature, "
                    "kd_reverse, gkd_beta, kd_skip_student_split_chunks, kd_first_token, weight, "
                    "ranks and cache "
                    "(unset keys: the --teacher-* / --kd-* "
