@@ -150,7 +150,7 @@ def two_ranks():
         yield ranks
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_parallel_layouts_equal_hf_backend(tiny, hf_scores, two_ranks, tp, pp):
     per_rank = two_ranks.run(_ranked, tiny, tp, pp, timeout=600)
     assert per_rank[1] == {}  # only LOCAL_RANK 0 returns results to the caller

@@ -314,7 +314,10 @@ def expected():
 
 
 @_ON_CPU
-@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,cp", [
+    pytest.param(2, 1, marks=pytest.mark.slow),  # TP 2 x CP 2 below holds both in the default run
+    pytest.param(1, 2, marks=pytest.mark.slow),
+    (2, 2)])
 def test_fused_forms_in_parallel_layouts(pool, expected, tp, cp):
     """TP 2 (vocabulary-parallel partitions, pair sums, radix histograms and lists summed over
     TP), CP 2 (chunks split over CP summed over CP, counted by their owner) and both."""

@@ -153,6 +153,7 @@ def _single_rank(argv: list[str]) -> None:
         pool.run(_run_main, argv)
 
 
+@pytest.mark.slow  # minutes on 2 cores; its 8-rank sibling is slow too: the suite's budget
 def test_two_teachers_config_at_two_ranks_matches_single_rank(models):
     root, s_tok, t_tok = models
     _single_rank(two_teachers_argv(root, s_tok, t_tok, "two_ref", teacher_tp=1))
