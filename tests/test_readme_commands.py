@@ -25,6 +25,7 @@ import os
 import re
 import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ MODELS = Path(__file__).resolve().parent / "readme_models"
 #: projection's form, not the vocabulary's contents).
 TOKENIZER_OF = {"SmolLM2-135M": "smollm2", "Qwen2.5-Coder-1.5B": "qwen2",
                 "Llama-3.2-1B": "llama3", "Llama-3.2-3B": "llama3", "Qwen3-4B": "qwen2",
-                "Phi-4-mini-instruct": "gpt2"}
+                "Phi-4-mini-instruct": "gpt2", "Qwen3-30B-A3B": "qwen2"}
 #: Commands that are the project's own entry points elsewhere checked (CI runs `make test`;
 #: `make demo` is the demo) or installation steps (`make install` is what CI runs).
 NOT_RUN = ("make", "pip", "python3 -m venv", ".", "cd", "git")
@@ -137,6 +138,9 @@ class Workspace:
         if "..." in words:
             return self._fragment(words, where)
         program = words[0]
+        if "-m" in words and words[words.index("-m") + 1:][:1] == [
+                "megatron_xdistill.evaluation.lm_eval_cli"]:  # xdistill-lm-eval under torchrun
+            return self._lm_eval(words[words.index("-m") + 2:], where)
         if program == "torchrun" or (program.startswith("python") and any(
                 w.endswith("pretrain_xdistill.py") for w in words)):
             at = next(i for i, w in enumerate(words) if w.endswith("pretrain_xdistill.py"))
@@ -154,6 +158,8 @@ class Workspace:
             return None
         if program in ("xdistill-evaluate", "xdistill-ray"):
             return self._parse_only(program, words[1:], where)
+        if program == "xdistill-lm-eval":
+            return self._lm_eval(words[1:], where)
         if any(" ".join(words).startswith(p) for p in NOT_RUN):
             return None
         if program.startswith("python") or program == "bash":
@@ -190,6 +196,20 @@ class Workspace:
         _parser().parse_args(head)  # exits (fails the test) on an unknown or bad flag
         if "--" in argv:
             self._fragment(argv[argv.index("--") + 1:], where)
+
+    @staticmethod
+    def _lm_eval(argv: list[str], where: str) -> None:
+        """lm-eval's own parser takes the arguments (exits, failing the test, on a bad one) and
+        the model is this project's backend."""
+        from lm_eval.__main__ import HarnessCLI
+
+        saved = sys.argv
+        sys.argv = ["xdistill-lm-eval", *argv]
+        try:
+            args = HarnessCLI().parse_args()
+        finally:
+            sys.argv = saved
+        assert args.model == "xdistill", f"{where}: xdistill-lm-eval with --model {args.model}"
 
     def _script(self, words: list[str], where: str) -> None:
         """A script of the repository: it exists, and it defines every flag given."""

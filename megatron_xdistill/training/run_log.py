@@ -72,7 +72,9 @@ def quiet_known_warnings() -> None:
     import-time warnings)."""
     for prefix in UNDERSTOOD_WARNINGS:
         warnings.filterwarnings("ignore", message=prefix)
-    for name in ("megatron", "megatron.core"):
+    # and on the module loggers that emit them, which no handler added later (a library's
+    # logging.basicConfig after this call) can bypass
+    for name in ("megatron", "megatron.core", "megatron.core.models.gpt.gpt_model"):
         logger = logging.getLogger(name)
         if _ONCE not in logger.filters:
             logger.addFilter(_ONCE)
