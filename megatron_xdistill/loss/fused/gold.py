@@ -23,7 +23,15 @@ from megatron_xdistill.loss.collectives import (
     group_size,
 )
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
-from megatron_xdistill.loss.fused.layout import GradientTarget, RowGroup, RowLayout, next_pow2
+from megatron_xdistill.loss.fused.layout import (
+    GradientTarget,
+    RowGroup,
+    RowLayout,
+    beta_kind,
+    column_tile,
+    next_pow2,
+    whole_row_programs,
+)
 
 _INT_MAX = 2147483647
 
@@ -32,9 +40,6 @@ _INT_MAX = 2147483647
 #: off to run the one-step kernels alike)
 WHOLE_ROWS = True
 
-
-def _beta_kind(beta: float) -> int:
-    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
 
 
 class GoldPass:
@@ -81,8 +86,7 @@ class GoldPass:
         from megatron_xdistill.loss.gpu import triton_gold
 
         n_rows, dev, n = group.size, x.device, self.n
-        programs = min(n_rows, 8 if dev.type != "cuda"
-                       else 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
+        programs = whole_row_programs(dev, n_rows)
         s = torch.empty(programs, self.num_real, dtype=torch.float32, device=dev)
         grad = target is not None
         h = torch.empty_like(s) if grad else s
@@ -97,14 +101,14 @@ class GoldPass:
         out = target.out if grad else x
         coef = self.coefficient(target.kd_weight, group, target.temperature) if grad else lsum
         ce = (target.ce_coef, target.label, target.lse1) if grad else (lsum, lsum, lsum)
-        block = min(2048, next_pow2(max(self.num_real, 16)))
+        block = column_tile(self.num_real)
         triton_gold.gold_rows[(programs,)](
             x, x.stride(0), layout.first, layout.length, group.rows, group.keys, count, lsum,
             n_rows, self.num_real, float(scale), s, s.stride(0), h, h.stride(0), values, cols,
             slots, self.logprobs, self.logprobs.stride(0), self.pair_col, self.pair,
             int(self.pair.numel()), self.is_common, self.teacher_sorted,
             self.teacher_sorted.stride(0), n, kl, best_at, lse, out, out.stride(0),
-            out.shape[1], coef, *ce, float(self.beta), BETA_KIND=_beta_kind(self.beta),
+            out.shape[1], coef, *ce, float(self.beta), BETA_KIND=beta_kind(self.beta),
             GRAD=grad, CE=grad and target.has_ce, CE_OWN=grad and target.ce_own, BLOCK=block,
             PAIR_BLOCK=min(1024, next_pow2(max(int(self.pair.numel()), 16))),
             LIST_BLOCK=next_pow2(max(n, 1)))
@@ -117,7 +121,7 @@ class GoldPass:
 
         grad = target is not None
         n_rows, dev = group.size, x.device
-        block = min(2048, next_pow2(max(self.num_real, 16)))
+        block = column_tile(self.num_real)
         s = torch.empty(n_rows, self.num_real, dtype=torch.float32, device=dev)
         triton_gold.chunk_logit_sums[(n_rows,)](
             x, x.stride(0), layout.first, layout.length, group.rows, self.num_real,
@@ -138,7 +142,7 @@ class GoldPass:
             triton_gold.common_divergence[(n_rows,)](
                 s, s.stride(0), lsum, count, keys, self.logprobs, self.logprobs.stride(0),
                 self.pair_col, self.pair, n_pairs, h, h.stride(0), common, best, best_at,
-                float(self.beta), BETA_KIND=_beta_kind(self.beta), GRAD=grad,
+                float(self.beta), BETA_KIND=beta_kind(self.beta), GRAD=grad,
                 BLOCK=min(1024, next_pow2(n_pairs)))
         else:
             common.zero_()

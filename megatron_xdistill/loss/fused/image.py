@@ -19,18 +19,19 @@ from megatron_xdistill.loss.collectives import Group, all_reduce, group_size
 from megatron_xdistill.loss.definitions.common import EPS, TINY
 from megatron_xdistill.loss.definitions.formulas import teacher_only_terms
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
-from megatron_xdistill.loss.fused.layout import GradientTarget, RowGroup, RowLayout, next_pow2
+from megatron_xdistill.loss.fused.layout import (
+    GradientTarget,
+    RowGroup,
+    RowLayout,
+    beta_kind,
+    column_tile,
+    next_pow2,
+    whole_row_programs,
+)
 from megatron_xdistill.loss.kernels.image_projection import ImageProjection
 
 #: columns a tile of I (the gather's tiles are sorted by W's entries per column)
 IMAGE_BLOCK = 512
-#: programs of the whole-row kernel off CUDA (Triton's interpreter: scratch rows only)
-_PROGRAMS = {"cpu": 8}
-
-
-def _block(width: int) -> int:
-    """Columns a tile of a row of the student's vocabulary."""
-    return min(2048, next_pow2(max(width, 16)))
 
 
 @dataclass
@@ -84,9 +85,6 @@ class ImageTables:
 WHOLE_ROWS = True
 
 
-def _beta_kind(beta: float) -> int:
-    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
-
 
 class ImagePass:
     """The image form's passes over row groups (see the module docstring)."""
@@ -138,8 +136,7 @@ class ImagePass:
         from megatron_xdistill.loss.gpu import triton_image
 
         n_rows, n_image, dev = group.size, self.proj.size, x.device
-        programs = min(n_rows, _PROGRAMS.get(dev.type, 8) if dev.type != "cuda"
-                       else 4 * torch.cuda.get_device_properties(dev).multi_processor_count)
+        programs = whole_row_programs(dev, n_rows)
         s = torch.empty(programs, self.num_real, dtype=torch.float32, device=dev)
         u = torch.empty(programs, n_image, dtype=torch.float32, device=dev)
         t = self.tables
@@ -155,16 +152,16 @@ class ImagePass:
             t.degree, t.tile_degree, t.student, t.weight, n_image, self.probs,
             self.probs.stride(0), value, at, dot, table.row_col, table.row_weight,
             table.row_col.shape[1], out, out.stride(0), out.shape[1], coef, *ce,
-            float(self.beta), TINY, EPS, BETA_KIND=_beta_kind(self.beta), GRAD=grad,
+            float(self.beta), TINY, EPS, BETA_KIND=beta_kind(self.beta), GRAD=grad,
             CE=grad and target.has_ce, CE_OWN=grad and target.ce_own,
-            BLOCK=_block(self.num_real), IMAGE_BLOCK=IMAGE_BLOCK,
+            BLOCK=column_tile(self.num_real), IMAGE_BLOCK=IMAGE_BLOCK,
             DIV_BLOCK=min(2048, next_pow2(n_image)))
 
     def _by_steps(self, x, scale, lse, layout, group, target, value, at) -> None:
         from megatron_xdistill.loss.gpu import triton_image
 
         n_rows, n_image, dev = group.size, self.proj.size, x.device
-        block = _block(self.num_real)
+        block = column_tile(self.num_real)
         s = torch.empty(n_rows, self.num_real, dtype=torch.float32, device=dev)
         triton_image.chunk_prob_sums[(n_rows,)](
             x, x.stride(0), lse, layout.first, layout.length, group.rows, self.num_real,
@@ -181,7 +178,7 @@ class ImagePass:
         grad = target is not None
         triton_image.image_divergence[(n_rows,)](
             u, u.stride(0), mass, self.probs, self.probs.stride(0), group.keys, value, at,
-            n_image, float(self.beta), TINY, EPS, BETA_KIND=_beta_kind(self.beta),
+            n_image, float(self.beta), TINY, EPS, BETA_KIND=beta_kind(self.beta),
             GRAD=grad, BLOCK=min(2048, next_pow2(n_image)))
         if not grad:
             return

@@ -104,6 +104,24 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def column_tile(width: int) -> int:
+    """Columns a kernel's tile takes of a row ``width`` wide."""
+    return min(2048, next_pow2(max(width, 16)))
+
+
+def beta_kind(beta: float) -> int:
+    """The divergence as the kernels' BETA_KIND: 0 forward KL, 1 reverse KL, 2 the JSD."""
+    return 0 if beta == 0.0 else 1 if beta == 1.0 else 2
+
+
+def whole_row_programs(device: torch.device, n_rows: int) -> int:
+    """Programs of a whole-row kernel (each with scratch rows of its own): 4 per SM on CUDA,
+    8 elsewhere (Triton's interpreter runs them one by one: scratch rows only)."""
+    if device.type == "cuda":
+        return min(n_rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(n_rows, 8)
+
+
 def log_partition(x: torch.Tensor, scale: float, tp_group: Group) -> torch.Tensor:
     """Per row of ``x`` [N, V_real] (this shard's real columns): the TP-wide log sum exp of
     scale * x, fp32 (one fused pass; with TP a max and a sum all-reduce, as Megatron's CE)."""
@@ -168,7 +186,7 @@ class GradientTarget:
 
     @property
     def block(self) -> int:
-        return min(2048, next_pow2(max(self.logits.shape[1], 16)))
+        return column_tile(self.logits.shape[1])
 
     def write(self, group: RowGroup, h: torch.Tensor, coef: torch.Tensor, *,
               image: bool, hsum: torch.Tensor | None = None) -> None:
@@ -186,4 +204,5 @@ class GradientTarget:
 
 
 __all__ = ["CrossEntropy", "GradientTarget", "RowGroup", "RowLayout", "cross_entropy_inputs",
-           "log_partition", "next_pow2", "row_layout"]
+           "beta_kind", "column_tile", "log_partition", "next_pow2", "row_layout",
+           "whole_row_programs"]
