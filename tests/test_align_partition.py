@@ -160,6 +160,14 @@ def test_finalize_marks_opaque_and_cut_characters_inexact():
     # two inexact chunks (a cut character, an empty side) whose run spells the same text
     np.testing.assert_array_equal(finalize(np.array([[0, 2, 0, 2], [2, 2, 2, 3]]), s, t),
                                   [[0, 2, 0, 3, 1]])
+    # the teacher lost a character's last byte (it cannot encode it): the student's chunk that
+    # ends before that byte is cut inside the character (an odd-valued continuation byte, 0xA9)
+    # even though the teacher's stream ends there and the bytes before it are equal
+    s, t = side([b"ab" + e[:1], e[1:]]), side([b"ab" + e[:1]])
+    np.testing.assert_array_equal(finalize(np.array([[0, 1, 0, 1], [1, 2, 1, 1]]), s, t),
+                                  [[0, 2, 0, 1, 0]])
+    np.testing.assert_array_equal(finalize(np.array([[0, 1, 0, 1], [1, 1, 1, 2]]), t, s),
+                                  [[0, 1, 0, 2, 0]])  # the same on the other side
     # lengths equal, bytes differ
     s, t = side([b"ab", b"cd"]), side([b"ab", b"ce"])
     np.testing.assert_array_equal(finalize(np.array([[0, 1, 0, 1], [1, 2, 1, 2]]), s, t),
