@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results  # noqa: E402
@@ -75,6 +77,27 @@ def test_study_rows_follow_the_study_report():
     assert row["diff"].startswith(f"{mean:+.4f}") and row["seeds_ahead"] == "3/3"
     closed = [100 * (c - k) / (c - teacher) for k, c in zip(kd, ce)]
     assert row["gap_closed"] == f"{round(min(closed))}-{round(max(closed))}%"
+
+
+def test_study_rows_against_a_variant_carry_its_payload_size():
+    """``"against"`` pairs each variant with the named one (gold_ep4 with P-KL here), and each
+    row carries the payload per token the variant's runs logged (their last value, mean over
+    seeds)."""
+    signal = json.loads((REPO / "examples/cross_tokenizer_distillation/results/signal.json")
+                        .read_text())
+    rows = {(r["variant"], r["heldout"]): r
+            for r in docs_tables.study_rows(signal, against="pkl_ep4")}
+    row = rows["gold_ep4", "enwiki"]
+    assert row["baseline_label"] == signal["config"]["variants"]["pkl_ep4"]["label"]
+    evals = signal["evals"]
+    diff = [evals[f"gold_ep4-s{s}/enwiki"]["bits_per_byte"]
+            - evals[f"pkl_ep4-s{s}/enwiki"]["bits_per_byte"] for s in (1, 2, 3)]
+    assert row["diff"].startswith(f"{sum(diff) / 3:+.4f}")
+    logged = [[m["payload_bytes_per_token"] for m in signal["runs"][f"gold_ep4-s{s}"]["metrics"]
+               if m.get("payload_bytes_per_token")][-1] for s in (1, 2, 3)]
+    assert row["payload_bytes"] == pytest.approx(sum(logged) / 3)
+    assert 100_000 < row["payload_bytes"] < 200_000  # gold's ~120 KB a token
+    assert ("pkl_ep4", "enwiki") not in rows
 
 
 SCALE = REPO / "benchmarks" / "results" / "scale"
