@@ -130,7 +130,7 @@ class FusedCall:
         self.temp = float(temperature)
         self.labels, self.tp_group = labels, tp_group
         self.into_logits, self.grad_weights = into_logits, grad_weights
-        self.image = not hasattr(form_pass, "teacher_sorted")
+        self.image = bool(form_pass.image)  # the exact form's inputs, else the gold forms'
         self.wrote: torch.Tensor | None = None
         self.ce: CrossEntropy | None = None
 
