@@ -1,4 +1,7 @@
-"""Triton kernels of gold / H-KL (:mod:`fused.gold`).
+"""Triton kernels of gold / H-KL, from the full payload (:mod:`fused.gold`) and the compact one
+(:mod:`fused.gold_topk`: the teacher's top k common pairs + a bucket, its k' largest sorted
+uncommon probabilities + a tail; :func:`_top_pairs`, :func:`_rest_scan`, :func:`_bucket` and
+the head / tail of :func:`_sorted_l1`, on the same chunk sums, radix select and sort).
 
 The uncommon term compares the n largest uncommon student probabilities, sorted, with the
 teacher's sorted ones. No full sort of a row: a radix select finds the n-th largest value (four
