@@ -411,7 +411,7 @@ def expected_compact():
 
 @_ON_CPU
 @pytest.mark.parametrize("tp,cp,ahead,which", [
-    (2, 2, False, [0, 1]),  # the bucket and the tail; the default run's share
+    (2, 2, False, [0]),  # the bucket over TP and the tail, split chunks: the default run's
     pytest.param(2, 2, False, [0, 1, 2], marks=pytest.mark.slow),
     pytest.param(2, 1, False, [0, 1, 2], marks=pytest.mark.slow),
     pytest.param(1, 2, False, [0, 1, 2], marks=pytest.mark.slow),
