@@ -96,32 +96,17 @@ def _real_construction(scenario: Scenario) -> dict:
     import torch.distributed as dist
 
     from megatron_xdistill.parallel.group_scope import run_process_groups
-    from megatron_xdistill.parallel.layout import build_model_parallel_groups
+    from megatron_xdistill.transport.construction import build_run_transports
     from megatron_xdistill.transport.counting import recorded
-    from megatron_xdistill.transport.routed import RoutedStream, RoutedTransport, rank_places
-    from megatron_xdistill.transport.routing import routing_plan
 
     rank = dist.get_rank()
     placement = scenario.placement_of()
     student, teachers = scenario.layouts()
-    gbs = scenario.global_batch_size()
+    numels = [scenario.payload_numel(t) for t in scenario.teachers]
     with run_process_groups(), recorded() as record:
-        nodes, gpus = rank_places("cpu")
-        build_model_parallel_groups(student, placement.student_offset)
-        for k, layout in enumerate(teachers):
-            build_model_parallel_groups(layout, placement.teacher_offset_of(k))
-        if placement.disaggregated:
-            dist.new_group(placement.student_global_ranks())
-            for k in range(len(teachers)):
-                dist.new_group(placement.teacher_global_ranks_of(k))
-        plans = [routing_plan(gbs, scenario.micro_batch_size, student, layout,
-                              placement.student_offset, placement.teacher_offset_of(k))
-                 for k, layout in enumerate(teachers)]
-        transports = []
-        for k, routes in enumerate(plans):
-            numel = scenario.payload_numel(scenario.teachers[k])
-            cls = RoutedStream if placement.disaggregated else RoutedTransport
-            transports.append(cls(routes, numel, nodes=nodes, gpus=gpus))
+        run = build_run_transports(placement, student, teachers, scenario.global_batch_size(),
+                                   scenario.micro_batch_size, numels)
+        plans, transports, nodes = run.plans, run.transports, run.nodes
         built = (list(record.groups), list(record.collectives))
         for k, (routes, transport) in enumerate(zip(plans, transports, strict=True)):
             numel = scenario.payload_numel(scenario.teachers[k])

@@ -21,11 +21,12 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from megatron_xdistill.loss import payload_spec
-from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
+from megatron_xdistill.parallel.layout import ParallelLayout
 from megatron_xdistill.parallel.placement import Placement
 from megatron_xdistill.transport import routed
+from megatron_xdistill.transport.construction import build_run_transports
 from megatron_xdistill.transport.counting import DistRecord, simulated_rank
-from megatron_xdistill.transport.routing import Route, layout_rank, routing_plan
+from megatron_xdistill.transport.routing import Route, layout_rank
 from megatron_xdistill.transport.scale_costs import MODELS, CostModel, forward_flops_per_token
 
 
@@ -137,8 +138,8 @@ def places_of(gpus: int, gpus_per_node: int) -> tuple[list[int], list[str]]:
 
 @dataclass
 class Construction:
-    """One rank's construction: measured Python time and peak heap, and what it asked of
-    torch.distributed."""
+    """One rank's construction: measured CPU seconds (process time) and peak heap, and what it
+    asked of torch.distributed."""
 
     rank: int
     seconds: float
@@ -150,48 +151,30 @@ class Construction:
 
 def construct(scenario: Scenario, rank: int, memory: bool = False,
               backend: str = "nccl") -> Construction:
-    """Run the project's construction of ``scenario`` as ``rank``: what a Distiller builds
-    (places, both layouts' groups, the disaggregated worlds, plans, transports). ``memory``:
+    """Run the project's construction of ``scenario`` as ``rank``
+    (:func:`.construction.build_run_transports`: what a Distiller builds) and time it in this
+    process's CPU time, which other jobs on a loaded machine do not inflate. ``memory``:
     trace the Python heap (slower). ``backend``: the default group's and the cross-node
     groups' (NCCL on a GPU cluster; gloo to compare with a CPU run)."""
     placement = scenario.placement_of()
     student, teachers = scenario.layouts()
     gbs = scenario.global_batch_size()
     nodes, gpu_ids = places_of(scenario.gpus, scenario.gpus_per_node)
+    numels = [scenario.payload_numel(t) for t in scenario.teachers]
     if memory:
         tracemalloc.start()
-    start = time.perf_counter()
+    start = time.process_time()
     with simulated_rank(rank, scenario.gpus, default_backend=backend,
                         gathered=lambda r, obj: (nodes[r], gpu_ids[r])) as record, _meta_slots():
-        found_nodes, found_gpus = routed.rank_places("cpu")
-        build_model_parallel_groups(student, placement.student_offset)
-        for k, layout in enumerate(teachers):
-            build_model_parallel_groups(layout, placement.teacher_offset_of(k))
-        if placement.disaggregated:
-            import torch.distributed as dist
-
-            dist.new_group(placement.student_global_ranks())
-            for k in range(len(teachers)):
-                dist.new_group(placement.teacher_global_ranks_of(k))
-        plan_start = time.perf_counter()
-        plans = [routing_plan(gbs, scenario.micro_batch_size, student, layout,
-                              placement.student_offset, placement.teacher_offset_of(k))
-                 for k, layout in enumerate(teachers)]
-        plan_seconds = time.perf_counter() - plan_start
-        for k, routes in enumerate(plans):
-            numel = scenario.payload_numel(scenario.teachers[k])
-            if placement.disaggregated:
-                routed.RoutedStream(routes, numel, nodes=found_nodes, gpus=found_gpus,
-                                    device="meta", backend=backend)
-            else:
-                routed.RoutedTransport(routes, numel, nodes=found_nodes, gpus=found_gpus,
-                                       device="meta", backend=backend)
-    seconds = time.perf_counter() - start
+        built = build_run_transports(placement, student, teachers, gbs,
+                                     scenario.micro_batch_size, numels, device="meta",
+                                     backend=backend)
+    seconds = time.process_time() - start
     peak = 0
     if memory:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    return Construction(rank, seconds, plan_seconds, peak, record, plans)
+    return Construction(rank, seconds, built.plan_seconds, peak, record, built.plans)
 
 
 @dataclass
