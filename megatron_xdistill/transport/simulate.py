@@ -32,13 +32,15 @@ from megatron_xdistill.transport.scale_costs import MODELS, CostModel, forward_f
 
 @dataclass(frozen=True)
 class TeacherSetup:
-    """One teacher: its model (a key of ``MODELS``), layout and (disaggregated) its ranks."""
+    """One teacher: its model (a key of ``MODELS``), layout (``ep``: expert parallelism of an
+    MoE teacher, within each stage's CP x DP ranks) and (disaggregated) its ranks."""
 
     model: str
     tp: int = 1
     cp: int = 1
     pp: int = 1
     ranks: int | None = None
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Scenario:
         student = ParallelLayout.for_world(placement.student_size, self.student_tp,
                                            self.student_cp, self.student_pp, who="student")
         teachers = [ParallelLayout.for_world(placement.teacher_size_of(k), t.tp, t.cp, t.pp,
-                                             who=f"teacher {t.model}")
+                                             who=f"teacher {t.model}", ep=t.ep)
                     for k, t in enumerate(self.teachers)]
         return student, teachers
 
@@ -223,6 +225,26 @@ def step_traffic(scenario: Scenario, plans: list[list[Route]], num_stats: int = 
     return Traffic(out, into, same, scenario.gpus_per_node)
 
 
+def one_sender_plans(scenario: Scenario, plans: list[list[Route]]) -> list[list[Route]]:
+    """The same copies, each sent by its teacher replica's first last-stage rank (TP 0, CP 0)
+    alone: what the busiest link would carry without spreading the sends over TP x CP."""
+    placement = scenario.placement_of()
+    _, teachers = scenario.layouts()
+    out = []
+    for k, routes in enumerate(plans):
+        layout, offset = teachers[k], placement.teacher_offset_of(k)
+        out.append([Route(r.sample, layout_rank(layout, offset, 0, 0,
+                                                layout.coords(r.src - offset)["dp"],
+                                                layout.pp - 1), r.dst) for r in routes])
+    return out
+
+
+def _busiest(traffic: Traffic) -> tuple[int, float]:
+    """Busiest GPU NIC's bytes (in or out) and the mean over GPUs."""
+    gpu_bytes = [max(o, i) for o, i in zip(traffic.out_bytes, traffic.in_bytes, strict=True)]
+    return max(gpu_bytes), sum(gpu_bytes) / len(gpu_bytes)
+
+
 def compute_seconds(scenario: Scenario, costs: CostModel) -> dict[str, float]:
     """Student step and teacher forwards of one global batch from the FLOP model."""
     placement = scenario.placement_of()
@@ -255,7 +277,7 @@ def simulate(scenario: Scenario, costs: CostModel | None = None,
     per_rank = []
     for c in constructions:
         modelled = costs.construction(c.record, scenario.gpus)
-        per_rank.append({"rank": c.rank, "python_s": round(c.seconds, 4),
+        per_rank.append({"rank": c.rank, "cpu_s": round(c.seconds, 4),
                          "plan_s": round(c.plan_seconds, 4), **c.record.summary(), **modelled,
                          "construction_s": round(c.seconds + modelled["modelled_s"], 3)})
     construction_s = max(r["construction_s"] for r in per_rank)
@@ -270,11 +292,10 @@ def _step_report(scenario: Scenario, costs: CostModel, plans: list[list[Route]],
     student, teachers = scenario.layouts()
     traffic = step_traffic(scenario, plans)
     compute = compute_seconds(scenario, costs)
-    gpu_bytes = [max(o, i) for o, i in zip(traffic.out_bytes, traffic.in_bytes, strict=True)]
     node_out, node_in = traffic.node_totals()
     node_bytes = [max(o, i) for o, i in zip(node_out, node_in, strict=True)]
-    busiest = max(gpu_bytes)
-    mean = sum(gpu_bytes) / len(gpu_bytes)
+    busiest, mean = _busiest(traffic)
+    alone, alone_mean = _busiest(step_traffic(scenario, one_sender_plans(scenario, plans)))
     transfer = busiest / costs.nic_bytes_per_s
     step_compute = compute["student_step_s"] + compute["teacher_forward_s"]
     if placement.disaggregated:  # teacher k+1 and its transfer overlap student step k
@@ -298,6 +319,8 @@ def _step_report(scenario: Scenario, costs: CostModel, plans: list[list[Route]],
             "busiest_gpu_nic_bytes": busiest, "mean_gpu_nic_bytes": round(mean),
             "busiest_over_mean": round(busiest / mean, 2) if mean else None,
             "gpus_sending": sum(1 for b in traffic.out_bytes if b),
+            "busiest_gpu_nic_bytes_one_sender": alone,
+            "busiest_over_mean_one_sender": round(alone / alone_mean, 2) if alone_mean else None,
             "busiest_node_nic_bytes": max(node_bytes),
             "mean_node_nic_bytes": round(sum(node_bytes) / len(node_bytes)),
         },
