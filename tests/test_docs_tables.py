@@ -140,6 +140,8 @@ def test_scale_prose_holds_in_the_result_files():
             by_case.setdefault(case, {})[r["gpus"]] = r
             # the modelled store/collective/connect part of construction stays under a second
             assert max(c["modelled_s"] for c in r["construction"]) < 1.0, case
+            # and the whole construction (measured CPU time + modelled) under 10 s
+            assert r["constructs_under_10s"], (case, r["gpus"])
     for case, worlds in by_case.items():
         # the transfer verdict does not change with the world (weak scaling)
         assert len({r["hides"] for r in worlds.values()}) == 1, case
@@ -149,6 +151,14 @@ def test_scale_prose_holds_in_the_result_files():
                 groups = [max(c["groups_entered"] for c in w["construction"])
                           for w in (r, worlds[2 * gpus])]
                 assert groups[1] <= 2 * groups[0], (case, gpus)
+    # one teacher: its TP x CP senders divide the busiest link by TP x CP
+    for (_, teachers, _, _), worlds in by_case.items():
+        for r in worlds.values():
+            if "+" not in teachers:
+                t = r["layouts"]["teachers"][0]
+                ratio = (r["traffic"]["busiest_gpu_nic_bytes_one_sender"]
+                         / r["traffic"]["busiest_gpu_nic_bytes"])  # (+ 4-byte trailers)
+                assert abs(ratio / (t["tp"] * t["cp"]) - 1) < 1e-3, (teachers, r["gpus"], ratio)
     # the busiest link is the same for every payload form
     for (student, teachers, placement, _), worlds in by_case.items():
         for gpus, r in worlds.items():
