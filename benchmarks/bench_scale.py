@@ -7,9 +7,9 @@ traffic and the compute follow for each payload form. Writes one JSON result fil
 size under benchmarks/results/scale/ and prints, per payload form, the largest world where
 construction stays under 10 s and the transfer hides under compute.
 
-    python benchmarks/bench_scale.py                   # every world (up to 2,048: 9 min)
+    python benchmarks/bench_scale.py                   # every world (64 to 2,048: 4 min)
     python benchmarks/bench_scale.py --gpus 64 1024    # some world sizes
-    python benchmarks/bench_scale.py --light --gpus 16384  # rank 0 only (4 min)
+    python benchmarks/bench_scale.py --light --gpus 16384  # rank 0 only (2 min)
 """
 
 from __future__ import annotations
