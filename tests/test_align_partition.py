@@ -189,6 +189,25 @@ def test_offsets_path_gives_the_normal_form_where_each_side_skips_text(seed):
         check_partition(got, len(s_tokens), len(t_tokens))
 
 
+def test_dp_path_cuts_right_around_an_opaque_token():
+    """An opaque token (no text of its own) on one side is an inexact chunk of its own, against
+    the other side's token there or against nothing, and the text after it aligns exactly again
+    (a step never starts at an opaque token on either side)."""
+    cases = [
+        (([b"a", OPAQUE, b"b"], [b"a", b"X", b"b"]),
+         [[0, 1, 0, 1, 1], [1, 2, 1, 2, 0], [2, 3, 2, 3, 1]]),
+        (([b"ab", OPAQUE, b"cd", b"e"], [b"ab", b"Q", b"c", b"de"]),
+         [[0, 1, 0, 1, 1], [1, 2, 1, 2, 0], [2, 4, 2, 4, 1]]),
+        (([b"a", OPAQUE, b"b", b"c"], [b"a", b"b", b"c"]),
+         [[0, 1, 0, 1, 1], [1, 2, 1, 1, 0], [2, 3, 1, 2, 1], [3, 4, 2, 3, 1]]),
+        (([OPAQUE, b"b", b"c"], [b"b", b"c"]), [[0, 1, 0, 0, 0], [1, 2, 0, 1, 1], [2, 3, 1, 2, 1]]),
+    ]
+    for (s_tokens, t_tokens), want in cases:
+        np.testing.assert_array_equal(align_sides(side(s_tokens), side(t_tokens)), want)
+        swapped = np.array(want)[:, [2, 3, 0, 1, 4]]
+        np.testing.assert_array_equal(align_sides(side(t_tokens), side(s_tokens)), swapped)
+
+
 def test_different_text_gives_inexact_chunks_and_neighbours_merge():
     """Where the bytes differ the chunk is inexact; neighbouring inexact chunks are one."""
     s = side([b"ab", b"c", b"X", b"def"])
