@@ -50,7 +50,7 @@ coverage: install
 	$(BIN)/python -m pytest -q --cov --cov-report=; rc=$$?; \
 	  $(BIN)/coverage combine --append -q 2>/dev/null || true; \
 	  $(BIN)/coverage json -q -o coverage.json && \
-	  $(BIN)/python tools/coverage_by_folder.py coverage.json --files || rc=1; \
+	  $(BIN)/python tools/coverage_by_folder.py coverage.json --files --write || rc=1; \
 	  exit $$rc
 
 # Mutation check of the loss's definitions, its chunk bookkeeping and the aligner's partition code

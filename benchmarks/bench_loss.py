@@ -15,12 +15,13 @@ W has up to 4 entries per row (45% one-to-one rows), rows normalised to sum 1, 0
 On a GPU each row also gives the kernel launches of one forward + backward (torch.profiler's
 CUDA kernels) and the share of the bandwidth floor: reading the logits once and writing their
 gradient once at the device's copy bandwidth (measured in the child), against the row's time.
-The exact (image) and gold / H-KL forms take the fused Triton passes there (``loss/fused``);
+The exact (image) and gold / H-KL forms (``gold_topk``: gold from the compact payload,
+``--gold-topk`` / ``--gold-uncommon-topk``) take the fused Triton passes there (``loss/fused``);
 ``--blockwise`` measures the blockwise plan instead (``XDISTILL_FUSED_FORMS=0``).
 
   python benchmarks/bench_loss.py [--tokens 4096] [--vs 49152 128256] [--forms topk chunk_topk]
   python benchmarks/bench_loss.py --device cuda --tokens 16384 --vs 49152 128256 \
-      --forms chunk_topk image gold hkl --with-ce --dtype bfloat16
+      --forms chunk_topk image gold hkl gold_topk --with-ce --dtype bfloat16
 
 Every run writes its rows under benchmarks/results/bench_loss/ (benchmarks/results.py).
 """
@@ -168,13 +169,27 @@ else:
     else:  # gold / H-KL: half of the student vocabulary is common (a real W: its strict or
         # xtoken pairs)
         common = (torch.randperm(vs, generator=gen)[: vs // 2].sort().values if real_w is None
-                  else real_w.common_vocab("strict" if form == "gold" else "xtoken")[0])
+                  else real_w.common_vocab("xtoken" if form == "hkl" else "strict")[0])
         m = common.numel()
         unc = min(8192, vt - m)
-        payload = TeacherPayload(
-            PayloadSpec("gold", c, m, unc), torch.log_softmax(torch.randn(1, c, m), -1), has,
-            uncommon_probs=torch.rand(1, c, unc).sort(-1, descending=True).values * 1e-3)
-    mode = form if form in ("gold", "hkl") else "pkl"
+        if form == "gold_topk":  # the compact payload: the teacher's top k pairs (distinct,
+            # descending) + a bucket, its k' largest uncommon probabilities + a tail, of n
+            span = max(0, min(unc, vs - m))
+            k_top, k_unc = min(cfg["gold_topk"], m), min(cfg["gold_uncommon_topk"], span)
+            logp = torch.log_softmax(torch.randn(1, c, k_top + 1, generator=gen), -1)
+            start = torch.randint(0, m, (1, c, 1), generator=gen)
+            payload = TeacherPayload(
+                PayloadSpec("gold_topk", c, k_top, k_unc, span=span, pairs=m),
+                logp[..., :k_top].sort(-1, descending=True).values, has,
+                columns=(start + torch.arange(k_top)) % m, tail_logprob=logp[..., k_top],
+                uncommon_probs=torch.rand(1, c, k_unc, generator=gen).sort(
+                    -1, descending=True).values * 1e-3,
+                uncommon_tail=torch.rand(1, c, generator=gen) * 0.1)
+        else:
+            payload = TeacherPayload(
+                PayloadSpec("gold", c, m, unc), torch.log_softmax(torch.randn(1, c, m), -1), has,
+                uncommon_probs=torch.rand(1, c, unc).sort(-1, descending=True).values * 1e-3)
+    mode = {"gold": "gold", "gold_topk": "gold", "hkl": "hkl"}.get(form, "pkl")
     if form not in ("full", "image") or gpu:
         payload = TeacherPayload.from_flat(payload.to_flat().to(dev), payload.spec)
     ids, has = ids.to(dev), has.to(dev)
@@ -280,9 +295,9 @@ def _positions_a_block(name: str, tokens: int, vs: int, args: argparse.Namespace
     from megatron_xdistill.loss.kernels.pkl import DenseKernel
 
     kernel = {"KD full": DenseKernel, "KD image": DenseKernel, "KD gold": GoldKernel,
-              "KD hkl": GoldKernel}.get(name)
+              "KD hkl": GoldKernel, "KD gold_topk": GoldKernel}.get(name)
     fused = (args.device.startswith("cuda") and not args.blockwise
-             and name in ("KD image", "KD gold", "KD hkl"))  # the fused passes: no blocks
+             and name in ("KD image", "KD gold", "KD hkl", "KD gold_topk"))  # no blocks
     if kernel is None or fused:
         return "-"
     itemsize = 2 if args.dtype == "bfloat16" else 4
@@ -301,8 +316,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vs", type=int, nargs="+", default=[49152, 128256])
     parser.add_argument("--vt", type=int, default=151936)
     parser.add_argument("--forms", nargs="+", default=["topk", "chunk_topk"],
-                        choices=["topk", "chunk_topk", "full", "image", "gold", "hkl"])
+                        choices=["topk", "chunk_topk", "full", "image", "gold", "hkl",
+                                 "gold_topk"])
     parser.add_argument("--topk", type=int, default=256)
+    parser.add_argument("--gold-topk", type=int, default=64,
+                        help="gold_topk: the teacher's common pairs shipped (k; training's "
+                             "--kd-gold-topk)")
+    parser.add_argument("--gold-uncommon-topk", type=int, default=256,
+                        help="gold_topk: its sorted uncommon probabilities shipped (k'; "
+                             "training's --kd-gold-uncommon-topk)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cpu",
@@ -355,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     for tokens in args.tokens:
         for vs in args.vs:
             base = dict(tokens=tokens, vs=vs, vt=args.vt, topk=args.topk, dtype=args.dtype,
+                        gold_topk=args.gold_topk, gold_uncommon_topk=args.gold_uncommon_topk,
                         device=args.device,
                         threads=args.threads, repeat=args.repeat, port=port,
                         block_mib=args.block_mib, with_ce=args.with_ce,

@@ -7,8 +7,9 @@ traffic and the compute follow for each payload form. Writes one JSON result fil
 size under benchmarks/results/scale/ and prints, per payload form, the largest world where
 construction stays under 10 s and the transfer hides under compute.
 
-    python benchmarks/bench_scale.py                   # the full sweep (about 20 min on 2 cores)
+    python benchmarks/bench_scale.py                   # every world (up to 2,048: 9 min)
     python benchmarks/bench_scale.py --gpus 64 1024    # some world sizes
+    python benchmarks/bench_scale.py --light --gpus 16384  # rank 0 only (4 min)
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ STUDENTS = (("llama-3.2-1b", 1), ("llama-3.1-8b", 4))
 
 
 def teacher_sets(gpus: int, placement: str):
-    """(name, teachers) of a world: Qwen3-8B (TP2), Qwen3-32B (TP8 PP2), both; disaggregated
-    on a quarter of the GPUs (two teachers: an eighth each)."""
+    """(name, teachers) of a world: Qwen3-8B (TP2), Qwen3-32B (TP8 PP2), both, and the MoE
+    Qwen3-30B-A3B (TP2, its experts over EP4: TP x EP one node); disaggregated on a quarter of
+    the GPUs (two teachers: an eighth each)."""
     from megatron_xdistill.transport.simulate import TeacherSetup
 
     quarter = gpus // 4 if placement == "disaggregated" else None
@@ -40,7 +42,8 @@ def teacher_sets(gpus: int, placement: str):
     return [("qwen3-8b", (TeacherSetup("qwen3-8b", tp=2, ranks=quarter),)),
             ("qwen3-32b", (TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=quarter),)),
             ("qwen3-8b+qwen3-32b", (TeacherSetup("qwen3-8b", tp=2, ranks=eighth),
-                                    TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=eighth)))]
+                                    TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=eighth))),
+            ("qwen3-30b-a3b", (TeacherSetup("qwen3-30b-a3b", tp=2, ep=4, ranks=quarter),))]
 
 
 def run(gpus: int, light: bool = False) -> list[dict]:
@@ -76,7 +79,8 @@ def _commit() -> str:
 #: the docs' names of the pivot tables' rows and columns
 FORM_ORDER = ("full", "image", "gold", "topk", "chunk_topk")
 STUDENT_LABEL = {"llama-3.2-1b": "L3.2-1b", "llama-3.1-8b": "L3.1-8b"}
-TEACHER_LABEL = {"qwen3-8b": "Q8b", "qwen3-32b": "Q32b", "qwen3-8b+qwen3-32b": "Q8b+Q32b"}
+TEACHER_LABEL = {"qwen3-8b": "Q8b", "qwen3-32b": "Q32b", "qwen3-8b+qwen3-32b": "Q8b+Q32b",
+                 "qwen3-30b-a3b": "Q30b-A3b (MoE)"}
 PLACEMENT_LABEL = {"colocated": "coloc.", "disaggregated": "disag."}
 
 
@@ -159,9 +163,12 @@ def construction(records: list[dict], student: str = "llama-3.2-1b",
 
 def busiest_link(records: list[dict], student: str = "llama-3.2-1b",
                  form: str = "chunk_topk") -> list[dict]:
-    """One row per world: each column's busiest GPU NIC over the mean and the GPUs that send."""
+    """One row per world: each column's busiest GPU NIC over the mean, the same with every
+    teacher replica sending from one rank only, and the GPUs that send."""
     def cell(r: dict) -> str:
-        return f"{r['traffic']['busiest_over_mean']}x, {r['traffic']['gpus_sending']} send"
+        t = r["traffic"]
+        return (f"{t['busiest_over_mean']}x (one sender: {t['busiest_over_mean_one_sender']}x), "
+                f"{t['gpus_sending']} send")
     return _per_world(records, cell, student, form)
 
 

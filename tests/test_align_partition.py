@@ -112,9 +112,81 @@ def test_tokens_in_text_the_other_side_skips_are_chunks_of_their_own():
                                                                 [2, 3, 1, 2]]
     assert walk([(0, 3), (3, 6)], [(0, 3)]) == [[0, 1, 0, 1], [1, 2, 1, 1]]
     assert walk([(0, 3)], [(0, 2), (2, 3), (3, 6)]) == [[0, 1, 0, 2], [1, 1, 2, 3]]
+    # every token in text the other side skips, the sides taking turns: n + m chunks
+    assert walk([(0, 1), (2, 3), (4, 5)], [(1, 2), (3, 4), (5, 6)]) == [
+        [0, 1, 0, 0], [1, 1, 0, 1], [1, 2, 1, 1], [2, 2, 1, 2], [2, 3, 2, 2], [3, 3, 2, 3]]
     # a token that shares a character with its neighbour makes no boundary
     assert walk([(0, 2), (1, 3), (3, 4)], [(0, 1), (1, 3), (3, 4)]) == [[0, 2, 0, 2],
                                                                         [2, 3, 2, 3]]
+
+
+def spans_dropping_some(text: str, rng: np.random.Generator, runs: int) -> list:
+    """``text`` cut at random byte positions into ``(bytes, char_lo, char_hi)`` tokens (a token
+    with part of a character covers that character), then ``runs`` runs of 1-3 tokens dropped:
+    text this side skips (its offsets keep the positions in ``text``)."""
+    data = text.encode()
+    char_of = [k for k, ch in enumerate(text) for _ in ch.encode()]
+    cuts = sorted({0, len(data), *(rng.choice(np.arange(1, len(data)), len(data) // 3,
+                                              replace=False).tolist())})
+    tokens = [(data[a:b], char_of[a], char_of[b - 1] + 1) for a, b in zip(cuts[:-1], cuts[1:])]
+    keep = np.ones(len(tokens), bool)
+    for _ in range(runs):
+        start = int(rng.integers(0, len(tokens)))
+        keep[start:start + int(rng.integers(1, 4))] = False
+    return [tok for tok, kept in zip(tokens, keep) if kept]
+
+
+def normal_form_from_spans(s: list, t: list) -> list[list[int]]:
+    """The chunks of two ``(bytes, char_lo, char_hi)`` token lists worked out from the
+    definition (chunks.py's docstring): a cut before student token i and teacher token j exists
+    when every token before it ends at or before every token after it starts (in characters);
+    the pieces between consecutive cuts are exact when both sides have tokens, their bytes are
+    equal and no end falls inside a character; runs of inexact pieces are merged, then checked
+    again."""
+    def cuts_at(i: int, j: int) -> bool:
+        before = [tok[2] for tok in s[:i]] + [tok[2] for tok in t[:j]]
+        after = [tok[1] for tok in s[i:]] + [tok[1] for tok in t[j:]]
+        return max(before, default=-1) <= min(after, default=1 << 60)
+
+    cuts = sorted((i, j) for i in range(len(s) + 1) for j in range(len(t) + 1) if cuts_at(i, j))
+    s_bytes, t_bytes = b"".join(tok[0] for tok in s), b"".join(tok[0] for tok in t)
+    s_at = np.cumsum([0] + [len(tok[0]) for tok in s]).tolist()
+    t_at = np.cumsum([0] + [len(tok[0]) for tok in t]).tolist()
+
+    def inside_a_character(data: bytes, at: int) -> bool:
+        return at < len(data) and data[at] & 0xC0 == 0x80
+
+    def exact(a: int, b: int, p: int, q: int) -> bool:
+        return (a < b and p < q and s_bytes[s_at[a]:s_at[b]] == t_bytes[t_at[p]:t_at[q]]
+                and not inside_a_character(s_bytes, s_at[a])
+                and not inside_a_character(s_bytes, s_at[b])
+                and not inside_a_character(t_bytes, t_at[q]))
+
+    pieces: list[list[int]] = []
+    for (a, p), (b, q) in zip(cuts, cuts[1:]):
+        if pieces and not exact(a, b, p, q) and not exact(*pieces[-1]):
+            pieces[-1][1], pieces[-1][3] = b, q
+        else:
+            pieces.append([a, b, p, q])
+    return [[*piece, int(exact(*piece))] for piece in pieces]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_offsets_path_gives_the_normal_form_where_each_side_skips_text(seed):
+    """Random byte splits of one text, each side skipping a few runs of it (text the other
+    side has no token for), some tokens sharing a character: the offset path's chunks are the
+    normal form worked out from the definition (40 texts a seed)."""
+    rng = np.random.default_rng(1000 + seed)
+    for _ in range(40):
+        text = "".join(rng.choice(PIECES, 30))
+        s_tokens = spans_dropping_some(text, rng, int(rng.integers(0, 3)))
+        t_tokens = spans_dropping_some(text, rng, int(rng.integers(0, 3)))
+        s, t = side([tok[0] for tok in s_tokens]), side([tok[0] for tok in t_tokens])
+        got = align_offsets(s, np.array([tok[1:] for tok in s_tokens], np.int64).reshape(-1, 2),
+                            t, np.array([tok[1:] for tok in t_tokens], np.int64).reshape(-1, 2))
+        want = normal_form_from_spans(s_tokens, t_tokens)
+        assert got.tolist() == want, (text, s_tokens, t_tokens)
+        check_partition(got, len(s_tokens), len(t_tokens))
 
 
 def test_different_text_gives_inexact_chunks_and_neighbours_merge():

@@ -50,6 +50,29 @@ def test_lines_are_summed_by_top_level_folder(tmp_path, capsys):
     assert "loss/__init__.py" not in out  # only the folders under the threshold list files
 
 
+def test_write_keeps_the_rows_as_a_result_file(tmp_path, monkeypatch, capsys):
+    """``--write`` (what ``make coverage`` passes) keeps the printed table as a result file, one
+    row per folder plus the total, with where and how it was made: docs/test_checks.md's table is
+    generated from it."""
+    tool = _tool()
+    report = {"files": {"megatron_xdistill/align/api.py": _entry(20, 10),
+                        "megatron_xdistill/loss/rows.py": _entry(40, 38)}}
+    path = tmp_path / "coverage.json"
+    path.write_text(json.dumps(report))
+    monkeypatch.setenv("XDISTILL_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.delenv("XDISTILL_NO_RESULTS", raising=False)
+    assert tool.main([str(path), "--write"]) == 0
+    capsys.readouterr()
+    [kept] = (tmp_path / "results" / "coverage").glob("*.json")
+    record = json.loads(kept.read_text())
+    assert record["bench"] == "coverage" and record["params"] == {"threshold": 85.0}
+    assert record["machine"] and record["date"] and "--write" in record["command"]
+    assert record["rows"] == [
+        {"folder": "align", "lines": 20, "covered": 10, "percent": 50.0, "below_threshold": True},
+        {"folder": "loss", "lines": 40, "covered": 38, "percent": 95.0, "below_threshold": False},
+        {"folder": "total", "lines": 60, "covered": 48, "percent": 80.0, "below_threshold": True}]
+
+
 def test_the_suite_is_measured_in_its_ranks_and_subprocesses():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     run = config["tool"]["coverage"]["run"]
@@ -59,4 +82,4 @@ def test_the_suite_is_measured_in_its_ranks_and_subprocesses():
         "test"])
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^coverage: install\n(\t.*\n)*\t.*pytest -q --cov .*\n(\t.*\n)*"
-                     r"\t.*tools/coverage_by_folder\.py coverage\.json", makefile, re.M)
+                     r"\t.*tools/coverage_by_folder\.py coverage\.json .*--write", makefile, re.M)

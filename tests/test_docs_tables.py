@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import results  # noqa: E402
@@ -77,6 +79,27 @@ def test_study_rows_follow_the_study_report():
     assert row["gap_closed"] == f"{round(min(closed))}-{round(max(closed))}%"
 
 
+def test_study_rows_against_a_variant_carry_its_payload_size():
+    """``"against"`` pairs each variant with the named one (gold_ep4 with P-KL here), and each
+    row carries the payload per token the variant's runs logged (their last value, mean over
+    seeds)."""
+    signal = json.loads((REPO / "examples/cross_tokenizer_distillation/results/signal.json")
+                        .read_text())
+    rows = {(r["variant"], r["heldout"]): r
+            for r in docs_tables.study_rows(signal, against="pkl_ep4")}
+    row = rows["gold_ep4", "enwiki"]
+    assert row["baseline_label"] == signal["config"]["variants"]["pkl_ep4"]["label"]
+    evals = signal["evals"]
+    diff = [evals[f"gold_ep4-s{s}/enwiki"]["bits_per_byte"]
+            - evals[f"pkl_ep4-s{s}/enwiki"]["bits_per_byte"] for s in (1, 2, 3)]
+    assert row["diff"].startswith(f"{sum(diff) / 3:+.4f}")
+    logged = [[m["payload_bytes_per_token"] for m in signal["runs"][f"gold_ep4-s{s}"]["metrics"]
+               if m.get("payload_bytes_per_token")][-1] for s in (1, 2, 3)]
+    assert row["payload_bytes"] == pytest.approx(sum(logged) / 3)
+    assert 100_000 < row["payload_bytes"] < 200_000  # gold's ~120 KB a token
+    assert ("pkl_ep4", "enwiki") not in rows
+
+
 SCALE = REPO / "benchmarks" / "results" / "scale"
 
 
@@ -117,6 +140,8 @@ def test_scale_prose_holds_in_the_result_files():
             by_case.setdefault(case, {})[r["gpus"]] = r
             # the modelled store/collective/connect part of construction stays under a second
             assert max(c["modelled_s"] for c in r["construction"]) < 1.0, case
+            # and the whole construction (measured CPU time + modelled) under 10 s
+            assert r["constructs_under_10s"], (case, r["gpus"])
     for case, worlds in by_case.items():
         # the transfer verdict does not change with the world (weak scaling)
         assert len({r["hides"] for r in worlds.values()}) == 1, case
@@ -126,6 +151,14 @@ def test_scale_prose_holds_in_the_result_files():
                 groups = [max(c["groups_entered"] for c in w["construction"])
                           for w in (r, worlds[2 * gpus])]
                 assert groups[1] <= 2 * groups[0], (case, gpus)
+    # one teacher: its TP x CP senders divide the busiest link by TP x CP
+    for (_, teachers, _, _), worlds in by_case.items():
+        for r in worlds.values():
+            if "+" not in teachers:
+                t = r["layouts"]["teachers"][0]
+                ratio = (r["traffic"]["busiest_gpu_nic_bytes_one_sender"]
+                         / r["traffic"]["busiest_gpu_nic_bytes"])  # (+ 4-byte trailers)
+                assert abs(ratio / (t["tp"] * t["cp"]) - 1) < 1e-3, (teachers, r["gpus"], ratio)
     # the busiest link is the same for every payload form
     for (student, teachers, placement, _), worlds in by_case.items():
         for gpus, r in worlds.items():

@@ -14,6 +14,7 @@ from megatron_xdistill.loss.definitions.formulas import (
     chunk_topk_columns,
     divergence,
     gold_kl,
+    gold_topk_sizes,
     grad_scale,
     normaliser,
     projected_kl,
@@ -128,3 +129,17 @@ def test_normaliser_and_grad_scale():
     torch.testing.assert_close(scale, 2.0 * inv, rtol=0, atol=0)
     rows = torch.tensor([1.0, 0.0, 3.0])
     torch.testing.assert_close(grad_scale(rows, inv), rows.double() * inv, rtol=0, atol=0)
+
+
+def test_gold_topk_sizes_cap_at_the_pairs_and_ranks_and_take_zero_for_all():
+    """The compact payload's sizes: a flag's k / k' capped at the M common pairs and the n ranks,
+    0 meaning all of them; a negative size is refused naming both."""
+    assert gold_topk_sizes(64, 256, 30000, 2000) == (64, 256)
+    assert gold_topk_sizes(64, 256, 40, 30) == (40, 30)  # a chunk smaller than the flags
+    assert gold_topk_sizes(40, 30, 40, 30) == (40, 30)
+    assert gold_topk_sizes(0, 0, 40, 30) == (40, 30)  # 0: all (today's gold)
+    assert gold_topk_sizes(0, 7, 40, 30) == (40, 7)
+    assert gold_topk_sizes(5, 0, 40, 30) == (5, 30)
+    for bad in [(-1, 0), (0, -1), (-1, -1)]:
+        with pytest.raises(ValueError, match=f"must be >= 0 .*got {bad[0]}, {bad[1]}"):
+            gold_topk_sizes(*bad, 40, 30)

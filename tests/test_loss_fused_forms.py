@@ -1,4 +1,4 @@
-"""The exact (image) P-KL and gold / H-KL on the fused Triton passes (``loss/fused``) against the
+"""The exact (image) P-KL and gold / H-KL (full and compact payload) on the fused Triton passes (``loss/fused``) against the
 dense float64 reference (``loss.definitions.reference``): loss and gradient, rel 1e-5 in fp32,
 forward / reverse KL and the JSD, with and without CE, T = 1 and T != 1, padded vocabulary
 columns, ragged and empty chunks, several row groups, the forward that writes the gradient, per
@@ -24,6 +24,7 @@ from megatron_xdistill.loss.definitions.common import common_vocab_from_dense, p
 from megatron_xdistill.loss.fused import call as fused_call
 from megatron_xdistill.loss.fused import gold as fused_gold
 from megatron_xdistill.loss.fused import image as fused_image
+from megatron_xdistill.loss.fused.gold_topk import CompactGoldPass
 from megatron_xdistill.loss.kernels.image_projection import teacher_image
 from megatron_xdistill.loss.teacher import payload_spec, teacher_payload
 from megatron_xdistill.testing.multirank import RankPool
@@ -62,7 +63,7 @@ def counted(monkeypatch):
     return calls
 
 
-def _inputs(case, mode, form, temperature, uncommon, device):
+def _inputs(case, mode, form, temperature, uncommon, device, gold_topk=(0, 0)):
     width = case.student_logits.shape[-1]
     rows = case.projection_rows(width)
     common = common_vocab_from_dense(case.projection, mode) if mode != "pkl" else (None, None)
@@ -70,7 +71,9 @@ def _inputs(case, mode, form, temperature, uncommon, device):
     spec = payload_spec(form, case.chunk_valid.shape[1], case.vt,
                         num_common=None if common[0] is None else common[0].numel(),
                         uncommon_topk=uncommon,
-                        num_image=None if image is None else image.numel())
+                        num_image=None if image is None else image.numel(),
+                        gold_topk=gold_topk[0], gold_uncommon_topk=gold_topk[1],
+                        student_vocab_size=case.vs)
     payload = teacher_payload(case.teacher_logits.to(device),
                               predicting_chunk_id(case.teacher_chunk_id).to(device), spec,
                               vocab_size=case.vt, temperature=temperature,
@@ -79,10 +82,12 @@ def _inputs(case, mode, form, temperature, uncommon, device):
 
 
 def _loss(case, mode, form, temperature, reverse, ce_weight, *, device, uncommon=8192,
-          block_bytes=None, ahead=False, dtype=torch.float32, sample_weights=None):
+          block_bytes=None, ahead=False, dtype=torch.float32, sample_weights=None,
+          gold_topk=(0, 0)):
     """(loss, gradient on the real columns, gradient on the padded ones) of
-    kd_sum / kd_count + ce_weight * ce_sum / ce_count."""
-    rows, common, payload = _inputs(case, mode, form, temperature, uncommon, device)
+    kd_sum / kd_count + ce_weight * ce_sum / ce_count (form "gold_topk": the compact payload
+    of ``gold_topk`` (k, k'))."""
+    rows, common, payload = _inputs(case, mode, form, temperature, uncommon, device, gold_topk)
     logits = case.student_logits.detach().to(device, dtype).clone().requires_grad_(True)
     jsd = None if isinstance(reverse, bool) else reverse
     kw = dict(student_vocab_size=case.vs, mode=mode, temperature=temperature,
@@ -107,14 +112,14 @@ def _loss(case, mode, form, temperature, reverse, ce_weight, *, device, uncommon
 
 
 def _reference(case, mode, temperature, reverse, ce_weight, *, uncommon=8192,
-               rounded_to=None, sample_weights=None):
+               rounded_to=None, sample_weights=None, gold_topk=None):
     z = case.real_student_logits
     z = (z if rounded_to is None else z.to(rounded_to)).double().requires_grad_(True)
     details = reference.kd_loss_details(
         z, case.real_teacher_logits.double(), case.student_chunk_id, case.teacher_chunk_id,
         case.chunk_valid, case.chunk_exact, case.projection.double(), mode, temperature,
         reverse is True, uncommon_topk=uncommon,
-        jsd_beta=None if isinstance(reverse, bool) else reverse)
+        jsd_beta=None if isinstance(reverse, bool) else reverse, gold_topk=gold_topk)
     per_chunk = details.per_chunk
     if sample_weights is not None:
         per_chunk = per_chunk * sample_weights.double()[:, None]
@@ -169,6 +174,44 @@ def test_fused_forms_match_reference(counted, config, device):
     assert terms.top1.item() == details.top1.sum().item()
 
 
+#: the compact payload (gold_topk): mode, T, reverse (or JSD beta), CE weight, uncommon cap,
+#: (k, k'), the whole-row kernel (else the one-step kernels at one TP rank). Its 32 / 40 common
+#: pairs and n = 30 / 22, or the cap, sorted uncommon ranks (gold / H-KL): a bucket and a
+#: tail; k' past n (no tail); k past M (no bucket); the smallest sizes; a tail of one rank;
+#: (0, 0), all of both (today's gold)
+COMPACT_CASES = [
+    ("gold", 1.0, False, 0.0, 8192, (4, 3), True),
+    ("gold", 2.0, True, 1.0, 5, (6, 10**6), False),
+    ("hkl", 1.5, 0.3, 0.5, 8192, (10**6, 2), True),
+    ("hkl", 1.0, False, 1.0, 7, (1, 1), False),
+    ("hkl", 2.0, True, 0.0, 8192, (5, 21), True),
+    ("gold", 1.5, 0.5, 1.0, 8192, (0, 0), False),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", COMPACT_CASES,
+                         ids=lambda c: f"{c[0]}-T{c[1]}-{c[2]}-ce{c[3]}-n{c[4]}-k{c[5]}-"
+                                       f"{'whole' if c[6] else 'steps'}")
+def test_fused_compact_gold_matches_reference(counted, config, device, monkeypatch):
+    """Compact gold / H-KL (``gold_topk``): the teacher's top-k pairs and the bucket of the
+    rest, the sorted uncommon head of k' and the tail of ranks k'..n-1, loss and gradient
+    against the float64 reference of the definition (rel 1e-5), CE, T != 1, all divergences,
+    by the whole-row kernel and the one-step ones."""
+    mode, temp, reverse, ce_w, unc, sizes, whole = config
+    monkeypatch.setattr(fused_gold, "WHOLE_ROWS", whole)
+    case = _case("gold")
+    loss, grad, padded, terms = _loss(case, mode, "gold_topk", temp, reverse, ce_w,
+                                      uncommon=unc, device=device, gold_topk=sizes)
+    ref, ref_grad, details = _reference(case, mode, temp, reverse, ce_w, uncommon=unc,
+                                        gold_topk=sizes)
+    assert len(counted) == 1 and type(counted[0].form) is CompactGoldPass
+    _close(loss, ref, grad, ref_grad, str(config))
+    assert torch.count_nonzero(padded) == 0
+    assert terms.kd_count.item() == details.counted.sum().item()
+    assert terms.top1.item() == details.top1.sum().item()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("form", ["image", "gold"])
 def test_one_step_kernels_at_one_tp_rank(counted, form, device, monkeypatch):
@@ -188,19 +231,21 @@ def test_one_step_kernels_at_one_tp_rank(counted, form, device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("form", ["image", "gold"])
+@pytest.mark.parametrize("form", ["image", "gold", "gold_topk"])
 def test_several_groups_and_the_forward_written_gradient(counted, form, device):
     """Row groups of a few rows each (a small budget), the forward that writes the gradient
-    (``loss_weights``), and per-sample weights: the same as the reference."""
+    (``loss_weights``), and per-sample weights: the same as the reference (the compact
+    payload at (k, k') = (3, 2) of n = 6)."""
     mode = "pkl" if form == "image" else "hkl"
+    sizes = (3, 2) if form == "gold_topk" else None
     case = make_case(batch=4 if form == "image" else 2, ts=20, tt=18, vs=60, vt=50,
                      vs_padded=64, seed=8)
     weights = torch.tensor([1.0, 0.0, 2.5, 0.5])[: case.chunk_valid.shape[0]]
     loss, grad, padded, _ = _loss(case, mode, form, 2.0, False, 0.5, uncommon=6,
                                   block_bytes=4 * 300, ahead=True, device=device,
-                                  sample_weights=weights.to(device))
+                                  sample_weights=weights.to(device), gold_topk=sizes or (0, 0))
     ref, ref_grad, _ = _reference(case, mode, 2.0, False, 0.5, uncommon=6,
-                                  sample_weights=weights)
+                                  sample_weights=weights, gold_topk=sizes)
     assert len(counted) == 2 and len(counted[1].layout.groups) > 1
     assert counted[1].wrote is None  # handed to the backward
     _close(loss, ref, grad, ref_grad, form)
@@ -226,23 +271,25 @@ def test_no_chunk_rows_and_an_empty_sample(counted, form, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["gold", "gold_topk"])
 @pytest.mark.parametrize("whole_rows", [True, False])
-def test_gold_ties_at_the_cut(counted, device, whole_rows, monkeypatch):
+def test_gold_ties_at_the_cut(counted, device, form, whole_rows, monkeypatch):
     """Eight uncommon student tokens with the same logits at every position, the largest
-    uncommon ones, and five compared: the radix select's cut falls inside the tie. Which tied
-    columns are taken is arbitrary (the reference's topk takes others), so the loss and, per
-    position, the gradient summed over the tied columns equal the reference's; elsewhere each
-    element does."""
+    uncommon ones, and five compared: the radix select's cut falls inside the tie (the compact
+    payload's head of k' = 3 too: its cut to the tail as well). Which tied columns are taken is
+    arbitrary (the reference's topk takes others), so the loss and, per position, the gradient
+    summed over the tied columns equal the reference's; elsewhere each element does."""
     monkeypatch.setattr(fused_gold, "WHOLE_ROWS", whole_rows)
+    sizes = (4, 3) if form == "gold_topk" else None
     case = _case("gold")
     common, _ = common_vocab_from_dense(case.projection, "gold")
     uncommon = torch.ones(case.vs, dtype=torch.bool)
     uncommon[common] = False
     tied = torch.nonzero(uncommon, as_tuple=True)[0][:8]
     case.student_logits[..., tied] = 4.0
-    loss, grad, padded, _ = _loss(case, "gold", "gold", 1.0, False, 0.5, uncommon=5,
-                                  device=device)
-    ref, ref_grad, _ = _reference(case, "gold", 1.0, False, 0.5, uncommon=5)
+    loss, grad, padded, _ = _loss(case, "gold", form, 1.0, False, 0.5, uncommon=5,
+                                  device=device, gold_topk=sizes or (0, 0))
+    ref, ref_grad, _ = _reference(case, "gold", 1.0, False, 0.5, uncommon=5, gold_topk=sizes)
     assert loss == pytest.approx(ref, rel=RTOL)
     rest = torch.ones(case.vs, dtype=torch.bool)
     rest[tied] = False
@@ -335,3 +382,49 @@ def test_fused_forward_gradient_in_tp_cp(pool, expected):
                     4 * 16 * 5, True, timeout=LIMIT_S)
     assert all(out["fused_calls"] == 2 * len(which) for out in outs)  # the no-grad call too
     layouts._check_layout(outs, expected, 2, 2, which)
+
+
+#: compact gold in test_loss_parallel's format (the topk slot holds (k, k')): forward KL with a
+#: bucket and a tail; reverse at T 2 with CE, 5 uncommon ranks, k' past them; H-KL JSD with CE
+#: (dynamic), k past M
+COMPACT = [
+    ("gold", "gold_topk", (4, 3), 1.0, False, False, 0.0, False, 8192),
+    ("gold", "gold_topk", (6, 10**6), 2.0, True, False, 1.0, False, 5),
+    ("hkl", "gold_topk", (10**6, 2), 1.5, 0.3, False, 1.0, True, 8192),
+]
+
+
+@pytest.fixture(scope="module")
+def expected_compact():
+    """test_loss_parallel's references and payloads for :data:`SMALL` (the COMPACT configs)."""
+    case = make_case(**SMALL)
+    made: dict = {}
+
+    def get(n_dp: int):
+        if n_dp not in made:
+            made[n_dp] = (case, [layouts._reference(case, c, n_dp) for c in COMPACT],
+                          [layouts._payload(case, c, n_dp) for c in COMPACT])
+        return made[n_dp]
+
+    return get
+
+
+@_ON_CPU
+@pytest.mark.parametrize("tp,cp,ahead,which", [
+    (2, 2, False, [0]),  # the bucket over TP and the tail, split chunks: the default run's
+    pytest.param(2, 2, False, [0, 1, 2], marks=pytest.mark.slow),
+    pytest.param(2, 1, False, [0, 1, 2], marks=pytest.mark.slow),
+    pytest.param(1, 2, False, [0, 1, 2], marks=pytest.mark.slow),
+    # the forward's gradient (the default run has it at one process; not with dynamic scaling,
+    # whose KD weight is known only after the call)
+    pytest.param(2, 2, True, [0, 1], marks=pytest.mark.slow),
+], ids=lambda v: "-".join(map(str, v)) if isinstance(v, list) else str(v))
+def test_fused_compact_gold_in_parallel_layouts(pool, expected_compact, tp, cp, ahead, which):
+    """The compact payload in TP 2 (top pairs summed over TP, the bucket's logsumexp from
+    each rank's (max, sum), the radix select's lists summed), CP 2 (chunks split over CP) and
+    both; ``ahead``: the forward writes the gradient."""
+    configs = [COMPACT[i] for i in which]
+    outs = pool.run(_run_fused_layout, tp, cp, SMALL, configs, 4 * 16 * 5, ahead,
+                    timeout=LIMIT_S)
+    assert all(out["fused_calls"] == (2 if ahead else 1) * len(configs) for out in outs)
+    layouts._check_layout(outs, expected_compact, tp, cp, which, configs=COMPACT)

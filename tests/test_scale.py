@@ -96,32 +96,17 @@ def _real_construction(scenario: Scenario) -> dict:
     import torch.distributed as dist
 
     from megatron_xdistill.parallel.group_scope import run_process_groups
-    from megatron_xdistill.parallel.layout import build_model_parallel_groups
+    from megatron_xdistill.transport.construction import build_run_transports
     from megatron_xdistill.transport.counting import recorded
-    from megatron_xdistill.transport.routed import RoutedStream, RoutedTransport, rank_places
-    from megatron_xdistill.transport.routing import routing_plan
 
     rank = dist.get_rank()
     placement = scenario.placement_of()
     student, teachers = scenario.layouts()
-    gbs = scenario.global_batch_size()
+    numels = [scenario.payload_numel(t) for t in scenario.teachers]
     with run_process_groups(), recorded() as record:
-        nodes, gpus = rank_places("cpu")
-        build_model_parallel_groups(student, placement.student_offset)
-        for k, layout in enumerate(teachers):
-            build_model_parallel_groups(layout, placement.teacher_offset_of(k))
-        if placement.disaggregated:
-            dist.new_group(placement.student_global_ranks())
-            for k in range(len(teachers)):
-                dist.new_group(placement.teacher_global_ranks_of(k))
-        plans = [routing_plan(gbs, scenario.micro_batch_size, student, layout,
-                              placement.student_offset, placement.teacher_offset_of(k))
-                 for k, layout in enumerate(teachers)]
-        transports = []
-        for k, routes in enumerate(plans):
-            numel = scenario.payload_numel(scenario.teachers[k])
-            cls = RoutedStream if placement.disaggregated else RoutedTransport
-            transports.append(cls(routes, numel, nodes=nodes, gpus=gpus))
+        run = build_run_transports(placement, student, teachers, scenario.global_batch_size(),
+                                   scenario.micro_batch_size, numels)
+        plans, transports, nodes = run.plans, run.transports, run.nodes
         built = (list(record.groups), list(record.collectives))
         for k, (routes, transport) in enumerate(zip(plans, transports, strict=True)):
             numel = scenario.payload_numel(scenario.teachers[k])
@@ -139,7 +124,9 @@ def _real_construction(scenario: Scenario) -> dict:
     return {"groups": built[0], "collectives": built[1], "sent": sent, "nodes": nodes}
 
 
-def _compare(pool: RankPool, scenario: Scenario) -> None:
+def _compare(pool: RankPool, scenario: Scenario, senders: set[int] | None = None) -> None:
+    """The real run's groups, collectives and bytes sent per rank equal the simulation's;
+    ``senders``: the ranks that send payload bytes in the real run."""
     real = pool.run(_real_construction, scenario)
     sim_nodes, _ = places_of(scenario.gpus, scenario.gpus_per_node)
     assert real[0]["nodes"] == sim_nodes
@@ -150,6 +137,8 @@ def _compare(pool: RankPool, scenario: Scenario) -> None:
         assert got["collectives"] == sim.record.collectives, f"rank {rank}"
         assert sum(got["sent"].values()) == traffic.out_bytes[rank], f"rank {rank}"
     assert sum(traffic.out_bytes) > 0
+    if senders is not None:
+        assert {r for r, got in enumerate(real) if got["sent"]} == senders
 
 
 def _nodes_of(world: int, per_node: int) -> list[dict]:
@@ -163,17 +152,21 @@ SMALL = {"seq_length": 7, "form": "chunk_topk", "topk": 2, "micro_batches": 2}
 def test_simulation_equals_a_real_four_rank_run():
     """Colocated, disaggregated and two disaggregated teachers on 4 gloo ranks in two "nodes":
     every rank's groups (ranks, backend, membership, order), its construction collectives and
-    the payload bytes it sends in one step equal the simulation's."""
-    colocated = Scenario(4, student_tp=2, teachers=(TeacherSetup("qwen3-8b", pp=2),),
+    the payload bytes it sends in one step equal the simulation's. The TP2 teachers' sends
+    leave from both TP ranks of their last stage; an MoE teacher (EP2) adds its expert groups."""
+    colocated = Scenario(4, student_tp=2, teachers=(TeacherSetup("qwen3-8b", tp=2, pp=2),),
                          gpus_per_node=2, **SMALL)
-    disaggregated = Scenario(4, teachers=(TeacherSetup("qwen3-8b", pp=2, ranks=2),),
+    disaggregated = Scenario(4, teachers=(TeacherSetup("qwen3-8b", tp=2, ranks=2),),
                              placement="disaggregated", gpus_per_node=2, **SMALL)
     two = Scenario(4, teachers=(TeacherSetup("qwen3-8b", ranks=1),
                                 TeacherSetup("qwen3-32b", ranks=1)),
                    placement="disaggregated", gpus_per_node=2, **SMALL)
+    moe = Scenario(4, student_tp=2, teachers=(TeacherSetup("qwen3-30b-a3b", tp=2, ep=2),),
+                   gpus_per_node=2, **SMALL)
     with RankPool(4, rank_env=_nodes_of(4, 2)) as pool:
         for scenario in (colocated, disaggregated, two):
-            _compare(pool, scenario)
+            _compare(pool, scenario, senders={2, 3})  # both TP ranks of a TP2 last stage
+        _compare(pool, moe, senders={0, 1, 2, 3})  # its expert groups too
 
 
 @pytest.mark.slow
@@ -188,3 +181,44 @@ def test_simulation_equals_a_real_eight_rank_run():
     with RankPool(8, rank_env=_nodes_of(8, 4)) as pool:
         for scenario in (colocated, two):
             _compare(pool, scenario)
+
+
+def test_spread_sends_divide_the_busiest_link_by_the_teachers_last_stage():
+    """A TP8 PP2 teacher on 16 of 64 GPUs (disaggregated; 8 per node), TP1 and TP4 students:
+    every rank of a teacher replica's last stage sends, so the busiest GPU NIC carries 1/8 of
+    what the replica's TP rank 0 alone would (the same copies, each student rank its own)."""
+    from megatron_xdistill.transport.simulate import one_sender_plans
+
+    for student_tp in (1, 4):
+        scenario = Scenario(64, student_tp=student_tp, placement="disaggregated",
+                            teachers=(TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=16),), **SMALL)
+        plans = construct(scenario, 0).routes
+        alone = one_sender_plans(scenario, plans)
+        assert sorted((r.sample, r.dst) for r in plans[0]) == \
+            sorted((r.sample, r.dst) for r in alone[0])
+        # payload bytes only (num_stats=0: no trailer per sender-receiver pair)
+        spread, single = (step_traffic(scenario, p, num_stats=0) for p in (plans, alone))
+        assert [r for r, b in enumerate(spread.out_bytes) if b] == list(range(56, 64))
+        assert [r for r, b in enumerate(single.out_bytes) if b] == [56]  # TP 0 of the stage
+        assert spread.in_bytes == single.in_bytes  # each student rank gets the same bytes
+        assert max(single.out_bytes) == 8 * max(spread.out_bytes)
+
+
+def test_an_moe_teachers_expert_groups_are_counted():
+    """An EP4 teacher (TP2, 32 ranks colocated on 32): the simulated construction enters the
+    expert grid's groups (TP x EP x expert DP x PP: EP, expert DP, TP x EP, TP x EP x PP) on
+    top of the dense teacher's, as Megatron-Core's parallel_state makes them."""
+    dense = Scenario(32, teachers=(TeacherSetup("qwen3-30b-a3b", tp=2),), **SMALL)
+    moe = Scenario(32, teachers=(TeacherSetup("qwen3-30b-a3b", tp=2, ep=4),), **SMALL)
+    tp, ep, world = 2, 4, 32
+    expert_dp = world // tp // ep
+    extra = world // ep + world // expert_dp + world // (tp * ep) + world // (tp * ep)
+    for rank in (0, 5, 31):
+        groups = [construct(s, rank).record for s in (dense, moe)]
+        assert len(groups[1].groups) - len(groups[0].groups) == extra
+        mine = {(g.ranks, g.backend) for g in groups[1].member_groups} - \
+            {(g.ranks, g.backend) for g in groups[0].member_groups}
+        first = rank % tp + tp * ep * (rank // (tp * ep))
+        assert (tuple(range(first, first + tp * ep, tp)), "nccl") in mine  # its EP group
+        start = rank - rank % (tp * ep)
+        assert (tuple(range(start, start + tp * ep)), "nccl") in mine  # its TP x EP group

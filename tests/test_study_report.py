@@ -65,6 +65,22 @@ def test_a_variant_is_paired_with_the_ce_only_run_of_the_same_plan():
     assert rows["pkl"]["diff"] == pytest.approx(-0.05)
 
 
+def test_against_a_named_variant_pairs_every_other_distilled_variant_with_it():
+    """A compact payload against the full one: each variant is paired by seed with the named
+    variant instead of CE-only, by the same rule; CE-only and the named variant get no row, and
+    a name the study does not have is refused by name."""
+    results = _results({"ce": [2.00, 2.02, 2.01], "gold": [1.80, 1.82, 1.81],
+                        "gold_c64": [1.81, 1.82, 1.83], "pkl": [1.90, 1.91, 1.93]})
+    rows = {r["variant"]: r for r in study_report.verdicts(results, against="gold")}
+    assert sorted(rows) == ["gold_c64", "pkl"]
+    assert rows["gold_c64"]["baseline"] == "gold"
+    assert rows["gold_c64"]["diff"] == pytest.approx(0.01) and not rows["gold_c64"]["real"]
+    assert rows["pkl"]["diff"] == pytest.approx(0.1033333, abs=1e-6) and rows["pkl"]["real"]
+    assert study_report._verdict(rows["pkl"]).startswith("worse")
+    with pytest.raises(ValueError, match="'hkl': not a variant"):
+        study_report.verdicts(results, against="hkl")
+
+
 def test_worse_is_called_worse_and_one_seed_is_never_real():
     rows = study_report.verdicts(_results({"ce": [2.0, 2.01, 2.02], "kd": [2.5, 2.51, 2.52]}))
     assert rows[0]["real"] and study_report._verdict(rows[0]) == "worse than CE-only"

@@ -48,6 +48,44 @@ def test_plan_sends_each_sample_from_teacher_last_stage_to_student_last_stage():
     assert layout_rank(student, 0, **student.coords(5)) == 5
 
 
+@pytest.mark.parametrize("world,student,teacher,t_offset", [
+    (16, (1, 1, 1), (8, 1, 2), 0),  # colocated: TP8 PP2 teacher, DP16 student
+    (16, (2, 2, 1), (4, 1, 1), 0),  # colocated: student TP2 CP2, teacher TP4
+    (8, (4, 1, 1), (4, 1, 1), 0),  # colocated, one layout: a replica's own copies stay
+    (12, (1, 1, 1), (2, 2, 1), 8),  # disaggregated: 8 student ranks, teacher TP2 CP2 on 4
+])
+def test_plan_spreads_a_replicas_sends_over_its_last_stage(world, student, teacher, t_offset):
+    """Every student rank of a sample's replica (last stage) gets one copy of it, from a TP/CP
+    rank of the teacher replica's last stage that holds it: from itself when it is one, the
+    others' copies dealt evenly over all of them (the rule written out here, per replica)."""
+    s_layout = ParallelLayout.for_world(t_offset or world, *student)
+    t_layout = ParallelLayout.for_world(world - t_offset, *teacher)
+    gbs, mbs = 4 * s_layout.dp * t_layout.dp, 1
+    routes = routing_plan(gbs, mbs, s_layout, t_layout, 0, t_offset)
+    expected, senders_of = set(), {}
+    for sample in range(gbs):
+        s_dp = (sample // mbs) % s_layout.dp
+        t_dp = sample // (gbs // t_layout.dp)
+        base = t_offset + (t_layout.pp - 1) * t_layout.dp * t_layout.tp * t_layout.cp
+        senders_of[sample] = {base + t_dp * t_layout.tp * t_layout.cp + i
+                              for i in range(t_layout.tp * t_layout.cp)}
+        first = (s_layout.pp - 1) * s_layout.dp * s_layout.tp * s_layout.cp
+        expected |= {(sample, first + s_dp * s_layout.tp * s_layout.cp + i)
+                     for i in range(s_layout.tp * s_layout.cp)}
+    assert sorted((r.sample, r.dst) for r in routes) == sorted(expected)
+    assert [(r.sample, r.dst) for r in routes] == sorted((r.sample, r.dst) for r in routes)
+    load: dict = {}
+    for r in routes:
+        assert r.src in senders_of[r.sample], r
+        assert (r.src == r.dst) == (r.dst in senders_of[r.sample]), r
+        if r.src != r.dst:
+            load[r.src] = load.get(r.src, 0) + 1
+    senders = {s for sample in range(gbs) for s in senders_of[sample]}
+    assert set(load) == senders  # every last-stage rank sends, none more than 1 above another
+    assert max(load.values()) - min(load.values()) <= 1
+    assert max(load.values()) * len(senders) <= sum(load.values()) + len(senders)
+
+
 def _exchange(student: tuple, teacher: tuple, gbs: int, mbs: int) -> dict:
     import torch.distributed as dist
 
@@ -58,8 +96,7 @@ def _exchange(student: tuple, teacher: tuple, gbs: int, mbs: int) -> dict:
     rank = dist.get_rank()
     routes = routing_plan(gbs, mbs, s_layout, t_layout)
     outgoing = {}
-    if t_layout.coords(rank)["pp"] == t_layout.pp - 1 and t_layout.coords(rank)["tp"] == 0 \
-            and t_layout.coords(rank)["cp"] == 0:
+    if t_layout.coords(rank)["pp"] == t_layout.pp - 1:  # every last-stage rank holds them
         outgoing = {i: torch.full((5,), float(i)) for i in teacher_samples(rank, gbs, t_layout)}
     received = P2PTransport(routes).exchange(outgoing, numel=5)
     return {i: t[0].item() for i, t in received.items()}

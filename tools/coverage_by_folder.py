@@ -5,6 +5,8 @@
 per top-level folder of the package (its subfolders counted in it), the files directly in the
 package as ``(package)``, and the total. Folders under ``--threshold`` are marked; ``--files``
 lists their files with the fewest lines covered first, which is where the work is left.
+``--write`` keeps the rows as a result file (``benchmarks/results/coverage/``: machine, commit,
+date, command), from which docs/test_checks.md's table is generated (tools/docs_tables.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 PACKAGE = "megatron_xdistill"
 
@@ -82,6 +84,28 @@ def table(folders: dict[str, Lines], threshold: float, files: bool = False) -> s
     return "\n".join(lines)
 
 
+def rows(folders: dict[str, Lines], threshold: float) -> list[dict]:
+    """One result row per folder and the total (what the table prints)."""
+    total = Lines(sum(f.statements for f in folders.values()),
+                  sum(f.covered for f in folders.values()))
+    return [{"folder": name, "lines": f.statements, "covered": f.covered,
+             "percent": round(f.percent, 2), "below_threshold": f.percent < threshold}
+            for name, f in [*folders.items(), ("total", total)]]
+
+
+def write_result(folders: dict[str, Lines], threshold: float, argv: Sequence[str] | None) -> None:
+    """Keep the rows as ``benchmarks/results/coverage/<time>-<host>.json``."""
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks.results import write_rows
+
+    write_rows("coverage", rows(folders, threshold), params={"threshold": threshold},
+               notes="line coverage of megatron_xdistill/ by top-level folder on the CPU suite "
+                     "(make coverage: ranks and subprocesses included)",
+               argv=None if argv is None else ["tools/coverage_by_folder.py", *argv])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("report", nargs="?", default="coverage.json",
@@ -90,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="mark folders under this share of lines covered (default 85)")
     parser.add_argument("--files", action="store_true",
                         help="list the files of the folders under the threshold")
+    parser.add_argument("--write", action="store_true",
+                        help="keep the rows as a result file under benchmarks/results/coverage/")
     args = parser.parse_args(argv)
     with open(args.report, encoding="utf-8") as f:
         folders = by_folder(json.load(f))
@@ -97,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{args.report}: no file of {PACKAGE}/ was measured", file=sys.stderr)
         return 1
     print(table(folders, args.threshold, args.files))
+    if args.write:
+        write_result(folders, args.threshold, argv)
     return 0
 
 

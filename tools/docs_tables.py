@@ -13,7 +13,8 @@ where its numbers come from and which columns it shows:
 ``file`` is a result file of ``benchmarks/results.py`` (its ``rows``), or one of the studies'
 results, read through ``"source"``: ``"study"`` (examples/cross_tokenizer_distillation's
 ``results/*.json``: one row per distilled variant and held-out set against its CE-only
-baseline, through the study's own report code), ``"onpolicy"``
+baseline, or against the variant named by ``"against"``, through the study's own report code;
+``payload_bytes`` is the teacher payload per token the runs logged), ``"onpolicy"``
 (examples/on_policy_distillation's ``results.json``: one row per scored model) or ``"scale"``
 (``file`` is a folder: every ``scale_<gpus>.json`` in it, pivoted by
 ``benchmarks/bench_scale.py``'s table ``"table"``, one of its ``TABLES``). ``where``
@@ -80,15 +81,25 @@ HELDOUT = {"fresh_code": "code written in 2026", "stdlib": "stdlib modules not t
            "enwiki": "Wikipedia", "shakespeare": "Shakespeare works"}
 
 
-def study_rows(results: dict) -> list[dict[str, Any]]:
-    """Each distilled variant against its CE-only baseline on each held-out set, by the
-    study's own rule (``study_report.verdicts``: real beyond twice the larger seed spread),
-    with the per-seed share of the CE student's gap to the teacher that it closed."""
+def payload_bytes(results: dict, variant: str) -> float | None:
+    """A variant's teacher payload per student token as its runs logged it (the mean over seeds
+    of each run's last ``payload_bytes_per_token``); None where no run logged it."""
+    values = [logged[-1] for run in results["runs"].values() if run["variant"] == variant
+              for logged in [[m["payload_bytes_per_token"] for m in run.get("metrics", [])
+                              if m.get("payload_bytes_per_token")]] if logged]
+    return statistics.fmean(values) if values else None
+
+
+def study_rows(results: dict, against: str | None = None) -> list[dict[str, Any]]:
+    """Each distilled variant against its CE-only baseline (or the variant ``against``) on each
+    held-out set, by the study's own rule (``study_report.verdicts``: real beyond twice the
+    larger seed spread), with the per-seed share of the CE student's gap to the teacher that it
+    closed (of the baseline's gap, with ``against``) and the payload per token."""
     report = _study_report()
     variants = results["config"]["variants"]
     summary = report.summarize(results)
     rows = []
-    for v in report.verdicts(results):
+    for v in report.verdicts(results, against):
         table = summary[v["heldout"]]["variants"]
         kd, ce = table[v["variant"]], table[v["baseline"]]
         seeds = sorted(set(kd) & set(ce))
@@ -108,7 +119,9 @@ def study_rows(results: dict) -> list[dict[str, Any]]:
             "two_spread": None if math.isnan(v["spread"]) else 2 * v["spread"],
             "paired_t": None if math.isnan(v["paired_t"]) else v["paired_t"],
             "gap_closed": gap,
-            "diff_mean": v["diff"], "teacher": teacher})
+            "diff_mean": v["diff"], "teacher": teacher,
+            "baseline_label": variants[v["baseline"]]["label"],
+            "payload_bytes": payload_bytes(results, v["variant"])})
     return rows
 
 
@@ -129,7 +142,7 @@ def _rows(spec: dict) -> tuple[list[dict], dict]:
     if source == "bench":
         rows = record["rows"]
     elif source == "study":
-        rows = study_rows(record)
+        rows = study_rows(record, spec.get("against"))
     elif source == "onpolicy":
         rows = onpolicy_rows(record)
     elif source != "scale":

@@ -82,6 +82,10 @@ TARGETS = [
         f"{_LOSS_REF}::test_tail_row_sums_match_dense_products",
         f"{_LOSS_REF}::test_exact_form_teacher_terms_do_not_depend_on_the_slice",
         f"{_LOSS_REF}::test_sample_weights_scale_each_samples_chunks",
+        # the compact gold form: its formulas against a loop and against gold (float64)
+        "tests/test_loss_gold_topk.py::test_formula_equals_a_loop_and_gold_at_full_sizes",
+        "tests/test_loss_gold_topk.py::test_formula_grows_to_gold_within_the_tail_bound",
+        "tests/test_loss_gold_topk.py::test_reference_converges_to_todays_gold",
     )),
     Target("chunk_starts", f"{PKG}/loss/definitions/chunk_starts.py", None, (
         "tests/test_chunk_starts.py",

@@ -8,7 +8,8 @@
 #   gpu_tests       360 s  every gpu-marked test under tests/, collected by marker (CUDA IPC
 #                          stream, GPU loss vs reference, training on the GPU vs the CPU run,
 #                          KV-cached greedy generation vs HF, device placement, fused loss)
-#   fused_loss      300 s  the exact (image) and gold / H-KL forms on the fused Triton passes
+#   fused_loss      300 s  the exact (image) and gold / H-KL forms (full and compact payload,
+#                          gold_topk at 64 / 256) on the fused Triton passes
 #                          (issue 60): their gpu-marked tests, then bench_loss.py at 16k tokens,
 #                          V_s 49,152 and 128,256, fp32 and bf16, with CE: ms, x CE, kernel
 #                          launches, share of the bandwidth floor, extra memory; result files
@@ -60,7 +61,7 @@ fused() {  # the fused passes' gpu tests, then their rows in both dtypes
   python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loss_fused_forms.py || return
   for dtype in bfloat16 float32; do
     XDISTILL_RESULTS_DIR=$OUT/results python3 benchmarks/bench_loss.py --device cuda \
-      --tokens 16384 --vs 49152 128256 --forms chunk_topk image gold hkl --with-ce \
+      --tokens 16384 --vs 49152 128256 --forms chunk_topk image gold hkl gold_topk --with-ce \
       --dtype "$dtype" --repeat 2 || return
   done
 }

@@ -71,17 +71,22 @@ def baseline_of(variants: dict, variant: str) -> str | None:
                  if v.get("kd_weight", 1.0) == 0 and v.get("samples_per_epoch") == plan), None)
 
 
-def verdicts(results: dict) -> list[dict]:
-    """Each distillation variant against its CE-only baseline (:func:`baseline_of`) on each
-    held-out set (paired by seed): a difference is real when |mean| exceeds twice the larger
-    of the two seed spreads."""
+def verdicts(results: dict, against: str | None = None) -> list[dict]:
+    """Each distillation variant against its CE-only baseline (:func:`baseline_of`), or against
+    the variant ``against`` (a compact payload against the full one, say), on each held-out set
+    (paired by seed): a difference is real when |mean| exceeds twice the larger of the two seed
+    spreads."""
     variants = results["config"]["variants"]
+    if against is not None and against not in variants:
+        raise ValueError(f"against={against!r}: not a variant of this study "
+                         f"(one of {sorted(variants)})")
     rows = []
     for name, summary in summarize(results).items():
         table = summary["variants"]
         for variant, values in table.items():
-            baseline = baseline_of(variants, variant)
-            if variants[variant].get("kd_weight", 1.0) == 0 or baseline not in table:
+            baseline = baseline_of(variants, variant) if against is None else against
+            if (variants[variant].get("kd_weight", 1.0) == 0 or baseline not in table
+                    or variant == baseline):
                 continue
             ce = table[baseline]
             seeds = sorted(set(values) & set(ce))

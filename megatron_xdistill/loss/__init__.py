@@ -10,7 +10,8 @@ Where things are (imports only go down this list)::
     blocks/       one call's layout: chunk rows, blocks of positions, W's rows on this rank
     kernels/      each form's student kernel (pkl, image, gold): torch on any device, handing
                   its passes to cpu/ or gpu/ where those serve
-    fused/        the exact (image) and gold / H-KL forms as whole-call Triton passes (gpu/'s
+    fused/        the exact (image) and gold / H-KL (full and compact payload) forms as
+                  whole-call Triton passes (gpu/'s
                   triton_image, triton_gold, triton_rows): taken on CUDA instead of the blocks
     student/      the student-side driver: parallel_kd_loss, its plan, the totals
     teacher.py    the teacher side: logits to a payload

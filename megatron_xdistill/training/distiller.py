@@ -362,13 +362,13 @@ class Distiller:
         """One teacher's forward on this rank, then its payloads routed to the student ranks
         that train on them."""
         t0 = device_now(self.device)
-        sender = lane.side.sent(lane.side.forward(samples, lane.kd, lane.index))
+        rows = lane.side.forward(samples, lane.kd, lane.index)  # every last-stage rank sends
         t1 = device_now(self.device)
         self.times.teacher += t1 - t0
         lane.seconds += t1 - t0
         if lane.cache is not None:
-            lane.cache.record(samples, sender)
-        payloads = lane.transport.exchange(sender)
+            lane.cache.record(samples, lane.side.cache_rows(rows))
+        payloads = lane.transport.exchange(rows)
         self.times.route += device_now(self.device) - t1
         return payloads
 
@@ -418,7 +418,7 @@ class Distiller:
             outgoing = lane.side.forward(samples, lane.kd, lane.index)
             t1 = device_now(self.device)
             if lane.cache is not None:
-                lane.cache.record(samples, lane.side.sent(outgoing))
+                lane.cache.record(samples, lane.side.cache_rows(outgoing))
             self.times.teacher += t1 - t0
             lane.seconds += t1 - t0
             if not self.streams:  # teacher-only pass: the cache is the only receiver

@@ -95,8 +95,9 @@ class TeacherSide:
                 payloads[sample] = flat[row]
         return payloads
 
-    def sent(self, payloads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """The payloads this rank sends: the last stage at TP rank 0 and CP rank 0 (the other
-        TP / CP ranks hold the same rows)."""
+    def cache_rows(self, payloads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The payloads this rank records in a teacher cache: one writer per replica, the last
+        stage's TP rank 0 and CP rank 0 (the other TP / CP ranks hold the same rows; they all
+        send to the students, as the routing plan deals them)."""
         coords = self.groups.coords
         return payloads if coords["tp"] == 0 and coords["cp"] == 0 else {}

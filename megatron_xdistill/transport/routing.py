@@ -1,10 +1,14 @@
 """Routing plan: which rank sends which sample's teacher payload to which ranks.
 
 Computed from sizes only (global batch, micro-batch sizes, both layouts), so every rank derives
-the same plan without communication. The teacher's payload for a sample exists on its replica's
-last pipeline stage (identical on every TP/CP rank there after the teacher-side reduction); one of
-those ranks (TP 0, CP 0) is the sender. Every rank of the student replica's last stage that owns
-the sample (all its TP and CP ranks) receives it.
+the same plan without communication. Every rank of the student replica's last stage that owns
+a sample (all its TP and CP ranks) receives its own copy of the sample's teacher payload. That
+payload exists on every TP and CP rank of the teacher replica's last pipeline stage (identical
+there after the vocab-parallel and CP reductions, at no extra cost), so all of them send: a
+receiving rank that is itself one of them keeps its own copy (no transfer), and the replica's
+other copies are split into equal, contiguous runs (in sample, receiver order), one run per
+sender. The busiest sender then carries 1 / (TP x CP) of what one sender would, and each
+sample sits in the send buffers of at most a few senders.
 """
 
 from __future__ import annotations
@@ -33,19 +37,34 @@ class Route:
     dst: int
 
 
+def last_stage_ranks(layout: ParallelLayout, offset: int, dp: int) -> list[int]:
+    """Global ranks of replica ``dp``'s last pipeline stage, TP fastest then CP."""
+    return [layout_rank(layout, offset, tp, cp, dp, layout.pp - 1)
+            for cp in range(layout.cp) for tp in range(layout.tp)]
+
+
 def routing_plan(global_batch_size: int, micro_batch_size: int, student: ParallelLayout,
                  teacher: ParallelLayout, student_offset: int = 0,
                  teacher_offset: int = 0) -> list[Route]:
-    """All routes of one global batch, ordered by (sample, dst)."""
-    routes = []
+    """All routes of one global batch, ordered by (sample, dst); senders as the module says."""
+    wanted: dict[int, list[tuple[int, int]]] = {}  # teacher replica -> its (sample, dst) copies
     for sample in range(global_batch_size):
         t_dp = teacher_replica_of(sample, global_batch_size, teacher.dp)
-        src = layout_rank(teacher, teacher_offset, 0, 0, t_dp, teacher.pp - 1)
         s_dp, _ = student_replica_of(sample, micro_batch_size, student.dp)
-        for cp in range(student.cp):
-            for tp in range(student.tp):
-                dst = layout_rank(student, student_offset, tp, cp, s_dp, student.pp - 1)
-                routes.append(Route(sample, src, dst))
+        wanted.setdefault(t_dp, []).extend(
+            (sample, dst) for dst in last_stage_ranks(student, student_offset, s_dp))
+    routes = []
+    for t_dp, copies in wanted.items():
+        senders = last_stage_ranks(teacher, teacher_offset, t_dp)
+        holders = set(senders)
+        moved = [c for c in copies if c[1] not in holders]
+        routes += [Route(sample, dst, dst) for sample, dst in copies if dst in holders]
+        # sender k sends moved[k * n // S : (k + 1) * n // S]: equal runs, in order
+        n, count = len(moved), len(senders)
+        for k, src in enumerate(senders):
+            routes += [Route(sample, src, dst)
+                       for sample, dst in moved[k * n // count:(k + 1) * n // count]]
+    routes.sort(key=lambda r: (r.sample, r.dst))
     return routes
 
 

@@ -28,6 +28,7 @@ MODELS = {
     "llama-3.1-8b": ModelShape(8.03e9, 32, 32 * 128, 128256),
     "qwen3-8b": ModelShape(8.19e9, 36, 32 * 128, 151936),
     "qwen3-32b": ModelShape(32.8e9, 64, 64 * 128, 151936),
+    "qwen3-30b-a3b": ModelShape(3.35e9, 48, 32 * 128, 151936),  # 8 of 128 experts active
     "qwen3-235b-a22b": ModelShape(22.2e9, 94, 64 * 128, 151936),
 }
 

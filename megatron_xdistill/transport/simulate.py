@@ -21,23 +21,26 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 from megatron_xdistill.loss import payload_spec
-from megatron_xdistill.parallel.layout import ParallelLayout, build_model_parallel_groups
+from megatron_xdistill.parallel.layout import ParallelLayout
 from megatron_xdistill.parallel.placement import Placement
 from megatron_xdistill.transport import routed
+from megatron_xdistill.transport.construction import build_run_transports
 from megatron_xdistill.transport.counting import DistRecord, simulated_rank
-from megatron_xdistill.transport.routing import Route, layout_rank, routing_plan
+from megatron_xdistill.transport.routing import Route, layout_rank
 from megatron_xdistill.transport.scale_costs import MODELS, CostModel, forward_flops_per_token
 
 
 @dataclass(frozen=True)
 class TeacherSetup:
-    """One teacher: its model (a key of ``MODELS``), layout and (disaggregated) its ranks."""
+    """One teacher: its model (a key of ``MODELS``), layout (``ep``: expert parallelism of an
+    MoE teacher, within each stage's CP x DP ranks) and (disaggregated) its ranks."""
 
     model: str
     tp: int = 1
     cp: int = 1
     pp: int = 1
     ranks: int | None = None
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ class Scenario:
         student = ParallelLayout.for_world(placement.student_size, self.student_tp,
                                            self.student_cp, self.student_pp, who="student")
         teachers = [ParallelLayout.for_world(placement.teacher_size_of(k), t.tp, t.cp, t.pp,
-                                             who=f"teacher {t.model}")
+                                             who=f"teacher {t.model}", ep=t.ep)
                     for k, t in enumerate(self.teachers)]
         return student, teachers
 
@@ -137,8 +140,8 @@ def places_of(gpus: int, gpus_per_node: int) -> tuple[list[int], list[str]]:
 
 @dataclass
 class Construction:
-    """One rank's construction: measured Python time and peak heap, and what it asked of
-    torch.distributed."""
+    """One rank's construction: measured CPU seconds (process time) and peak heap, and what it
+    asked of torch.distributed."""
 
     rank: int
     seconds: float
@@ -150,48 +153,30 @@ class Construction:
 
 def construct(scenario: Scenario, rank: int, memory: bool = False,
               backend: str = "nccl") -> Construction:
-    """Run the project's construction of ``scenario`` as ``rank``: what a Distiller builds
-    (places, both layouts' groups, the disaggregated worlds, plans, transports). ``memory``:
+    """Run the project's construction of ``scenario`` as ``rank``
+    (:func:`.construction.build_run_transports`: what a Distiller builds) and time it in this
+    process's CPU time, which other jobs on a loaded machine do not inflate. ``memory``:
     trace the Python heap (slower). ``backend``: the default group's and the cross-node
     groups' (NCCL on a GPU cluster; gloo to compare with a CPU run)."""
     placement = scenario.placement_of()
     student, teachers = scenario.layouts()
     gbs = scenario.global_batch_size()
     nodes, gpu_ids = places_of(scenario.gpus, scenario.gpus_per_node)
+    numels = [scenario.payload_numel(t) for t in scenario.teachers]
     if memory:
         tracemalloc.start()
-    start = time.perf_counter()
+    start = time.process_time()
     with simulated_rank(rank, scenario.gpus, default_backend=backend,
                         gathered=lambda r, obj: (nodes[r], gpu_ids[r])) as record, _meta_slots():
-        found_nodes, found_gpus = routed.rank_places("cpu")
-        build_model_parallel_groups(student, placement.student_offset)
-        for k, layout in enumerate(teachers):
-            build_model_parallel_groups(layout, placement.teacher_offset_of(k))
-        if placement.disaggregated:
-            import torch.distributed as dist
-
-            dist.new_group(placement.student_global_ranks())
-            for k in range(len(teachers)):
-                dist.new_group(placement.teacher_global_ranks_of(k))
-        plan_start = time.perf_counter()
-        plans = [routing_plan(gbs, scenario.micro_batch_size, student, layout,
-                              placement.student_offset, placement.teacher_offset_of(k))
-                 for k, layout in enumerate(teachers)]
-        plan_seconds = time.perf_counter() - plan_start
-        for k, routes in enumerate(plans):
-            numel = scenario.payload_numel(scenario.teachers[k])
-            if placement.disaggregated:
-                routed.RoutedStream(routes, numel, nodes=found_nodes, gpus=found_gpus,
-                                    device="meta", backend=backend)
-            else:
-                routed.RoutedTransport(routes, numel, nodes=found_nodes, gpus=found_gpus,
-                                       device="meta", backend=backend)
-    seconds = time.perf_counter() - start
+        built = build_run_transports(placement, student, teachers, gbs,
+                                     scenario.micro_batch_size, numels, device="meta",
+                                     backend=backend)
+    seconds = time.process_time() - start
     peak = 0
     if memory:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    return Construction(rank, seconds, plan_seconds, peak, record, plans)
+    return Construction(rank, seconds, built.plan_seconds, peak, record, built.plans)
 
 
 @dataclass
@@ -240,6 +225,26 @@ def step_traffic(scenario: Scenario, plans: list[list[Route]], num_stats: int = 
     return Traffic(out, into, same, scenario.gpus_per_node)
 
 
+def one_sender_plans(scenario: Scenario, plans: list[list[Route]]) -> list[list[Route]]:
+    """The same copies, each sent by its teacher replica's first last-stage rank (TP 0, CP 0)
+    alone: what the busiest link would carry without spreading the sends over TP x CP."""
+    placement = scenario.placement_of()
+    _, teachers = scenario.layouts()
+    out = []
+    for k, routes in enumerate(plans):
+        layout, offset = teachers[k], placement.teacher_offset_of(k)
+        out.append([Route(r.sample, layout_rank(layout, offset, 0, 0,
+                                                layout.coords(r.src - offset)["dp"],
+                                                layout.pp - 1), r.dst) for r in routes])
+    return out
+
+
+def _busiest(traffic: Traffic) -> tuple[int, float]:
+    """Busiest GPU NIC's bytes (in or out) and the mean over GPUs."""
+    gpu_bytes = [max(o, i) for o, i in zip(traffic.out_bytes, traffic.in_bytes, strict=True)]
+    return max(gpu_bytes), sum(gpu_bytes) / len(gpu_bytes)
+
+
 def compute_seconds(scenario: Scenario, costs: CostModel) -> dict[str, float]:
     """Student step and teacher forwards of one global batch from the FLOP model."""
     placement = scenario.placement_of()
@@ -272,7 +277,7 @@ def simulate(scenario: Scenario, costs: CostModel | None = None,
     per_rank = []
     for c in constructions:
         modelled = costs.construction(c.record, scenario.gpus)
-        per_rank.append({"rank": c.rank, "python_s": round(c.seconds, 4),
+        per_rank.append({"rank": c.rank, "cpu_s": round(c.seconds, 4),
                          "plan_s": round(c.plan_seconds, 4), **c.record.summary(), **modelled,
                          "construction_s": round(c.seconds + modelled["modelled_s"], 3)})
     construction_s = max(r["construction_s"] for r in per_rank)
@@ -287,11 +292,10 @@ def _step_report(scenario: Scenario, costs: CostModel, plans: list[list[Route]],
     student, teachers = scenario.layouts()
     traffic = step_traffic(scenario, plans)
     compute = compute_seconds(scenario, costs)
-    gpu_bytes = [max(o, i) for o, i in zip(traffic.out_bytes, traffic.in_bytes, strict=True)]
     node_out, node_in = traffic.node_totals()
     node_bytes = [max(o, i) for o, i in zip(node_out, node_in, strict=True)]
-    busiest = max(gpu_bytes)
-    mean = sum(gpu_bytes) / len(gpu_bytes)
+    busiest, mean = _busiest(traffic)
+    alone, alone_mean = _busiest(step_traffic(scenario, one_sender_plans(scenario, plans)))
     transfer = busiest / costs.nic_bytes_per_s
     step_compute = compute["student_step_s"] + compute["teacher_forward_s"]
     if placement.disaggregated:  # teacher k+1 and its transfer overlap student step k
@@ -315,6 +319,8 @@ def _step_report(scenario: Scenario, costs: CostModel, plans: list[list[Route]],
             "busiest_gpu_nic_bytes": busiest, "mean_gpu_nic_bytes": round(mean),
             "busiest_over_mean": round(busiest / mean, 2) if mean else None,
             "gpus_sending": sum(1 for b in traffic.out_bytes if b),
+            "busiest_gpu_nic_bytes_one_sender": alone,
+            "busiest_over_mean_one_sender": round(alone / alone_mean, 2) if alone_mean else None,
             "busiest_node_nic_bytes": max(node_bytes),
             "mean_node_nic_bytes": round(sum(node_bytes) / len(node_bytes)),
         },

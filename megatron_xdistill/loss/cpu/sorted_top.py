@@ -178,4 +178,16 @@ def sorted_top(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.topk(n, dim=1).values
 
 
-__all__ = ["sorted_top", "top_values"]
+def sorted_top_columns(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the ``n`` largest values of each row of ``x`` [r, m] (n <= m), descending; their
+    columns int64 [r, n]), not differentiable: for a caller that writes its gradient itself."""
+    if n == 0:
+        return x[:, :0], torch.zeros(x.shape[0], 0, dtype=torch.int64, device=x.device)
+    if _numba_path(x):
+        values, cols = top_values(x.detach().numpy(), n, with_columns=True)
+        return torch.from_numpy(values), torch.from_numpy(cols)
+    values, cols = x.topk(n, dim=1)
+    return values, cols
+
+
+__all__ = ["sorted_top", "sorted_top_columns", "top_values"]

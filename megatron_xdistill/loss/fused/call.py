@@ -1,10 +1,11 @@
-"""One loss call of the exact (image) P-KL or gold / H-KL on whole-call Triton passes.
+"""One loss call of the exact (image) P-KL or gold / H-KL (full or compact payload) on
+whole-call Triton passes.
 
 Where the fused passes serve (a CUDA device with Triton; tests force them on CPU tensors under
 Triton's interpreter), :func:`student.parallel_loss.parallel_kd_loss` hands these forms here
 instead of the blockwise plan: the TP-wide log-partitions of every position in one kernel (two
 with CE at T != 1), then per group of chunk rows the form's few kernels (:mod:`fused.image`,
-:mod:`fused.gold`) and one kernel that writes the rows' positions' gradient, KD and CE together,
+:mod:`fused.gold`, :mod:`fused.gold_topk`) and one kernel that writes the rows' positions' gradient, KD and CE together,
 in the logits' dtype with one rounding; one more writes the positions that predict no chunk.
 No Python loop over blocks of positions: the groups exist only to bound the [rows, V] buffers
 (one group at the default budget up to about a tenth of the logits' bytes).
@@ -130,7 +131,7 @@ class FusedCall:
         self.temp = float(temperature)
         self.labels, self.tp_group = labels, tp_group
         self.into_logits, self.grad_weights = into_logits, grad_weights
-        self.image = not hasattr(form_pass, "teacher_sorted")
+        self.image = bool(form_pass.image)  # the exact form's inputs, else the gold forms'
         self.wrote: torch.Tensor | None = None
         self.ce: CrossEntropy | None = None
 

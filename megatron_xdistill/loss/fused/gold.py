@@ -45,6 +45,10 @@ WHOLE_ROWS = True
 class GoldPass:
     """Gold / H-KL's passes over row groups (see the module docstring)."""
 
+    #: what :class:`fused.call.FusedCall` gives the passes: each row's summed log-partitions
+    #: (the gold forms' chunk means), not the exact form's per-position ones and <p, h> scratch
+    image = False
+
     def __init__(self, payload: TeacherPayload, pair: torch.Tensor, pair_col: torch.Tensor,
                  num_common: int, num_real: int, num_uncommon: int, beta: float,
                  tp_group: Group, cp_group: Group) -> None:
@@ -58,12 +62,15 @@ class GoldPass:
         self.pair_col = pair_col.contiguous()
         self.is_common = torch.zeros(max(num_real, 1), dtype=torch.int8, device=dev)
         self.is_common[self.pair_col] = 1
-        self.logprobs = payload.logprobs.reshape(-1, payload.spec.width).float().contiguous()
-        unc = payload.uncommon_probs.reshape(-1, payload.spec.uncommon)
+        rows = payload.has_teacher.numel()
+        self.logprobs = payload.logprobs.reshape(rows, payload.spec.width).float().contiguous()
+        unc = payload.uncommon_probs.reshape(rows, payload.spec.uncommon)
         self.teacher_sorted = unc[:, : self.n].float().contiguous()
+        #: the sorted uncommon probabilities the loss compares one by one (here all n); the
+        #: teacher's sum of the others (None: none)
+        self.head, self.teacher_tail = self.n, None
         self.teacher_best = (self.logprobs.argmax(1) if self.num_common
-                             else torch.zeros(self.logprobs.shape[0], dtype=torch.int64,
-                                              device=dev))
+                             else torch.zeros(rows, dtype=torch.int64, device=dev))
 
     def row_bytes(self) -> int:
         """fp32 bytes a row of a group holds: s and h on V_real, the list of n with its
@@ -102,19 +109,38 @@ class GoldPass:
         coef = self.coefficient(target.kd_weight, group, target.temperature) if grad else lsum
         ce = (target.ce_coef, target.label, target.lse1) if grad else (lsum, lsum, lsum)
         block = column_tile(self.num_real)
+        compact, constants = self._compact_args(programs, lsum)
         triton_gold.gold_rows[(programs,)](
             x, x.stride(0), layout.first, layout.length, group.rows, group.keys, count, lsum,
             n_rows, self.num_real, float(scale), s, s.stride(0), h, h.stride(0), values, cols,
             slots, self.logprobs, self.logprobs.stride(0), self.pair_col, self.pair,
             int(self.pair.numel()), self.is_common, self.teacher_sorted,
             self.teacher_sorted.stride(0), n, kl, best_at, lse, out, out.stride(0),
-            out.shape[1], coef, *ce, float(self.beta), BETA_KIND=beta_kind(self.beta),
+            out.shape[1], coef, *ce, float(self.beta), *compact, BETA_KIND=beta_kind(self.beta),
             GRAD=grad, CE=grad and target.has_ce, CE_OWN=grad and target.ce_own, BLOCK=block,
-            PAIR_BLOCK=min(1024, next_pow2(max(int(self.pair.numel()), 16))),
-            LIST_BLOCK=next_pow2(max(n, 1)))
-        top1 = ((best_at.long() == self.teacher_best.index_select(0, group.keys))
-                if self.num_common else torch.zeros(n_rows, dtype=torch.bool, device=dev))
-        return kl, top1
+            PAIR_BLOCK=self._pair_block(), LIST_BLOCK=next_pow2(max(n, 1)), **constants)
+        return kl, self._top1(best_at, group.keys)
+
+    def _compact_args(self, programs: int, like: torch.Tensor) -> tuple[tuple, dict]:
+        """:func:`gpu.triton_gold.gold_rows`' arguments of the compact payload (here unused
+        placeholders) and its constants."""
+        return ((self.logprobs, 0, 0, like, self.pair_col, self.is_common, 0, self.n, like),
+                {"COMPACT": False, "BUCKET": False})
+
+    def _pair_block(self) -> int:
+        return min(1024, next_pow2(max(int(self.pair.numel()), 16)))
+
+    def _top1(self, best_at: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Whether the student's first largest common mean is at the teacher's best pair."""
+        if not self.num_common:
+            return torch.zeros(keys.numel(), dtype=torch.bool, device=keys.device)
+        return best_at.long() == self.teacher_best.index_select(0, keys)
+
+    def _first_best(self, best: torch.Tensor, best_at: torch.Tensor) -> torch.Tensor:
+        """The first pair holding the largest common mean over TP (each rank's own given)."""
+        top = all_reduce(best.clone(), self.tp_group, "max")
+        best_at = torch.where(best == top, best_at, _INT_MAX).neg_()
+        return all_reduce(best_at, self.tp_group, "max").neg_()
 
     def _by_steps(self, x, scale, lse_sum, layout, group, target):
         from megatron_xdistill.loss.gpu import triton_gold
@@ -134,6 +160,27 @@ class GoldPass:
         keys = group.keys
         h = torch.zeros(n_rows, self.num_real + 1, dtype=torch.float32, device=dev) if grad \
             else s  # the last column takes the other ranks' slots' scatter
+        kl, best_at = self._common_step(s, lsum, count, keys, h, grad)
+        top1 = self._top1(best_at, keys)
+        if self.n:
+            l1, slots, cols = self._uncommon(s, lsum, count, keys, n_rows, block, grad)
+            kl = kl + l1
+            if grad:
+                h.scatter_(1, torch.where(cols >= 0, cols, self.num_real).long(), slots)
+        if grad:
+            h = h[:, : self.num_real]
+            hsum = all_reduce(h.sum(1), self.tp_group)
+            coef = self.coefficient(target.kd_weight, group, target.temperature)
+            target.write(group, h, coef, image=False, hsum=hsum)
+        return kl, top1
+
+    def _common_step(self, s, lsum, count, keys, h, grad: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the divergence on the common pairs [g] float64, summed over TP; the first pair
+        holding the student's largest common mean), its gradient into ``h``."""
+        from megatron_xdistill.loss.gpu import triton_gold
+
+        n_rows, dev = s.shape[0], s.device
         common = torch.empty(n_rows, dtype=torch.float64, device=dev)
         best = torch.empty(n_rows, dtype=torch.float32, device=dev)
         best_at = torch.empty(n_rows, dtype=torch.int32, device=dev)
@@ -148,24 +195,7 @@ class GoldPass:
             common.zero_()
             best.fill_(float("-inf"))
             best_at.fill_(_INT_MAX)
-        all_reduce(common, self.tp_group)
-        top = all_reduce(best.clone(), self.tp_group, "max")
-        best_at = torch.where(best == top, best_at, _INT_MAX).neg_()
-        best_at = all_reduce(best_at, self.tp_group, "max").neg_()  # the first pair
-        top1 = ((best_at.long() == self.teacher_best.index_select(0, keys))
-                if self.num_common else torch.zeros(n_rows, dtype=torch.bool, device=dev))
-        kl = common
-        if self.n:
-            l1, slots, cols = self._uncommon(s, lsum, count, keys, n_rows, block, grad)
-            kl = kl + l1
-            if grad:
-                h.scatter_(1, torch.where(cols >= 0, cols, self.num_real).long(), slots)
-        if grad:
-            h = h[:, : self.num_real]
-            hsum = all_reduce(h.sum(1), self.tp_group)
-            coef = self.coefficient(target.kd_weight, group, target.temperature)
-            target.write(group, h, coef, image=False, hsum=hsum)
-        return kl, top1
+        return all_reduce(common, self.tp_group), self._first_best(best, best_at)
 
     def _uncommon(self, s, lsum, count, keys, n_rows: int, block: int, grad: bool):
         """(sorted L1 [g] float64, its gradient on a at each list slot [g, n], each slot's
@@ -208,9 +238,11 @@ class GoldPass:
         slots = torch.zeros(n_rows, n, dtype=torch.float32, device=dev)
         width = next_pow2(n)
         per = max(1, min(16, 4096 // width))  # rows a program sorts: short lists go together
+        tail = self.teacher_tail
         triton_gold.sorted_l1[(-(-n_rows // per),)](
-            values, n, n_rows, keys, self.teacher_sorted, self.teacher_sorted.stride(0), l1,
-            slots, ROWS=per, BLOCK=width)
+            values, n, n_rows, keys, self.head, self.teacher_sorted,
+            self.teacher_sorted.stride(0), l1 if tail is None else tail, l1, slots,
+            TAIL=tail is not None, ROWS=per, BLOCK=width)
         return l1, slots, cols
 
     @staticmethod

@@ -89,6 +89,10 @@ WHOLE_ROWS = True
 class ImagePass:
     """The image form's passes over row groups (see the module docstring)."""
 
+    #: what :class:`fused.call.FusedCall` gives the passes: the per-position log-partitions
+    #: and a scratch for each position's <p, h> (not the gold forms' per-row sums)
+    image = True
+
     def __init__(self, payload: TeacherPayload, proj: ImageProjection, num_real: int,
                  beta: float, tp_group: Group, cp_group: Group) -> None:
         self.payload, self.proj, self.num_real = payload, proj, num_real

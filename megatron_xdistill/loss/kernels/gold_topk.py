@@ -4,8 +4,9 @@ log-partitions, vocabulary-parallel like :class:`~kernels.gold.GoldKernel`, whos
 takes: the chunk means on all M common pairs (summed over TP) and the n largest uncommon ones
 (each rank's n largest merged over TP). The student's bucket (its mass on the common pairs off
 the teacher's top k) and its uncommon tail (ranks k'..n-1) are computed exactly from them; the
-gradient is autograd's through :meth:`kl` (the plan differentiates it), on every device and
-layout alike.
+gradient is written directly for the forward KL at one TP rank (:meth:`_forward_kl`: no autograd
+graph over the [rows, V] means), autograd's through :meth:`kl` elsewhere (the plan
+differentiates it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from megatron_xdistill.loss.blocks.block_data import Raw, rows_of
-from megatron_xdistill.loss.collectives import Group
+from megatron_xdistill.loss.collectives import Group, group_size
+from megatron_xdistill.loss.cpu.sorted_top import sorted_top_columns
 from megatron_xdistill.loss.definitions.formulas import gold_topk_kl
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
 from megatron_xdistill.loss.kernels.gold import GoldKernel
@@ -39,10 +41,58 @@ class CompactGoldKernel(GoldKernel):
         return False
 
     def _by_torch(self, x: torch.Tensor) -> bool:
-        return False
+        """The forward KL at one TP rank: value and gradient from :meth:`_forward_kl`."""
+        return self.beta == 0.0 and group_size(self.tp_group) == 1
+
+    def _forward_kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
+                    weight: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, Raw | None]:
+        """(KL, top-1, d(sum_r weight_r KL_r) / d raw or None) of the forward KL at one TP rank,
+        the value by :func:`gold_topk_kl`. With a = (x - lz) / count the chunk means: dKL/da is
+        -p_j on the teacher's top k pairs, -p_rest exp(a_j - a_rest) on each bucket pair (a_rest
+        the bucket's logsumexp), sign(s_j - t_j) s_j on the uncommon ranks j < k' (s = e^a of the
+        n largest uncommon means) and sign(sum_{j >= k'} s_j - t_tail) s_j on the ranks past k';
+        dKL/dx = dKL/da / count, dKL/dlz = -(the row's sum)."""
+        x, p = raw["x"], self.payload
+        rows, n, num_unc = x.shape[0], self.num_uncommon, self.col_uncommon.numel()
+        means = (x - raw["lz"][:, None]).div_(counts.to(x.dtype)[:, None])  # all columns
+        a_common = means.index_select(1, self.col_common)
+        a_unc = means.index_select(1, self.col_uncommon)
+        if num_unc < n:  # fewer uncommon columns than ranks: -inf pads (e^a = 0)
+            a_unc = torch.cat([a_unc, x.new_full((rows, n - num_unc), float("-inf"))], 1)
+        top, at = sorted_top_columns(a_unc, n)  # descending
+        s_sorted = top.exp()
+        cols = rows_of(p.columns, keys)
+        b_top = rows_of(p.logprobs, keys).to(x.dtype)
+        b_rest = rows_of(p.tail_logprob, keys).to(x.dtype)
+        t_head = rows_of(p.uncommon_probs, keys).to(x.dtype)
+        t_tail = rows_of(p.uncommon_tail, keys).to(x.dtype)
+        kl = gold_topk_kl(a_common, cols, b_top, b_rest, s_sorted, t_head, t_tail, 0.0)
+        top1 = (a_common.argmax(-1) == cols[:, 0] if self.num_common and cols.shape[1]
+                else torch.zeros(rows, dtype=torch.bool, device=x.device))
+        if weight is None:
+            return kl, top1, None
+        scale = (weight.to(x.dtype).expand(rows) / counts.to(x.dtype))[:, None]
+        g_common = torch.zeros_like(a_common)
+        if cols.shape[1] < self.num_common:  # the bucket: softmax of a over its pairs
+            off = a_common.scatter(1, cols, float("-inf"))
+            g_common = off.sub_(off.logsumexp(-1, keepdim=True)).exp_().mul_(-b_rest.exp()[:, None])
+        g_common.scatter_(1, cols, b_top.exp().neg_())
+        head = t_head.shape[1]
+        g_sorted = s_sorted.clone()
+        g_sorted[:, :head].mul_((s_sorted[:, :head] - t_head).sign_())
+        g_sorted[:, head:].mul_((s_sorted[:, head:].sum(-1) - t_tail).sign_()[:, None])
+        g_unc = x.new_zeros(rows, a_unc.shape[1]).scatter_(1, at, g_sorted.mul_(scale))
+        g = x.new_empty(rows, x.shape[1])  # the common and uncommon columns are all of it
+        g.index_copy_(1, self.col_common, g_common.mul_(scale))
+        g.index_copy_(1, self.col_uncommon, g_unc[:, :num_unc])
+        return kl, top1, {"x": g, "lz": g.sum(-1).neg_()}
 
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._by_torch(raw["x"]) and not any(v.requires_grad for v in raw.values()):
+            kl, agree, _ = self._forward_kl(raw, keys, counts)
+            return kl, (agree if top1 else None)
         p = self.payload
         a_common = self.common_means(raw, counts)
         s_sorted = self.sorted_uncommon(raw, counts).exp()

@@ -28,10 +28,12 @@ from megatron_xdistill.loss.definitions.common import UNCOMMON_TOPK, check_mode,
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
 from megatron_xdistill.loss.fused import call as fused_call
 from megatron_xdistill.loss.fused.gold import GoldPass
+from megatron_xdistill.loss.fused.gold_topk import CompactGoldPass
 from megatron_xdistill.loss.fused.image import ImagePass
 from megatron_xdistill.loss.fused.layout import row_layout
 from megatron_xdistill.loss.gpu import row_softmax
 from megatron_xdistill.loss.kernels.gold import GoldKernel
+from megatron_xdistill.loss.kernels.gold_topk import CompactGoldKernel
 from megatron_xdistill.loss.kernels.image import ImageKernel
 from megatron_xdistill.loss.kernels.pkl import ColumnsKernel
 from megatron_xdistill.loss.student.kernel_choice import (
@@ -206,7 +208,7 @@ def parallel_kd_loss(
 
 
 #: the kernels whose forms the fused passes take (:mod:`fused.call`)
-_FUSED_FORMS = {ImageKernel: "image", GoldKernel: "gold"}
+_FUSED_FORMS = {ImageKernel: "image", GoldKernel: "gold", CompactGoldKernel: "gold"}
 
 
 def _fused_terms(kernel, rows_cpu: ChunkRows, rows: ChunkRows, logits: torch.Tensor,
@@ -219,9 +221,10 @@ def _fused_terms(kernel, rows_cpu: ChunkRows, rows: ChunkRows, logits: torch.Ten
     inner = kernel.kernel if isinstance(kernel, SampleWeighted) else kernel
     if isinstance(inner, ImageKernel):
         form = ImagePass(inner.payload, inner.proj, num_real, inner.beta, tp_group, cp_group)
-    else:
-        form = GoldPass(inner.payload, inner.pair_local, inner.col_common, inner.num_common,
-                        num_real, inner.num_uncommon, inner.beta, tp_group, cp_group)
+    else:  # the full or the compact gold payload
+        made = CompactGoldPass if isinstance(inner, CompactGoldKernel) else GoldPass
+        form = made(inner.payload, inner.pair_local, inner.col_common, inner.num_common,
+                    num_real, inner.num_uncommon, inner.beta, tp_group, cp_group)
     dev = logits.device
     size = fused_call.group_rows(form.row_bytes(), logits, block_bytes,
                                  whole_rows=group_size(tp_group) == 1)
