@@ -7,9 +7,9 @@ traffic and the compute follow for each payload form. Writes one JSON result fil
 size under benchmarks/results/scale/ and prints, per payload form, the largest world where
 construction stays under 10 s and the transfer hides under compute.
 
-    python benchmarks/bench_scale.py                   # every world (up to 2,048: 9 min)
+    python benchmarks/bench_scale.py                   # every world (64 to 2,048: 4 min)
     python benchmarks/bench_scale.py --gpus 64 1024    # some world sizes
-    python benchmarks/bench_scale.py --light --gpus 16384  # rank 0 only (4 min)
+    python benchmarks/bench_scale.py --light --gpus 16384  # rank 0 only (2 min)
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FORMS = ("full", "image", "topk", "chunk_topk", "gold")
+FORMS = ("full", "image", "topk", "chunk_topk", "gold", "gold_topk")
 SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 STUDENTS = (("llama-3.2-1b", 1), ("llama-3.1-8b", 4))
 
 
 def teacher_sets(gpus: int, placement: str):
     """(name, teachers) of a world: Qwen3-8B (TP2), Qwen3-32B (TP8 PP2), both, and the MoE
-    Qwen3-30B-A3B (TP2, its experts over EP4: TP x EP one node); disaggregated on a quarter of
-    the GPUs (two teachers: an eighth each)."""
+    Qwen3-30B-A3B (TP2, its experts over EP4: TP x EP one node) and Qwen3-235B-A22B (TP8 PP4,
+    its experts over EP8: 256 teacher GPUs at least); disaggregated on a quarter of the GPUs
+    (two teachers: an eighth each)."""
     from megatron_xdistill.transport.simulate import TeacherSetup
 
     quarter = gpus // 4 if placement == "disaggregated" else None
@@ -43,23 +44,47 @@ def teacher_sets(gpus: int, placement: str):
             ("qwen3-32b", (TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=quarter),)),
             ("qwen3-8b+qwen3-32b", (TeacherSetup("qwen3-8b", tp=2, ranks=eighth),
                                     TeacherSetup("qwen3-32b", tp=8, pp=2, ranks=eighth))),
-            ("qwen3-30b-a3b", (TeacherSetup("qwen3-30b-a3b", tp=2, ep=4, ranks=quarter),))]
+            ("qwen3-30b-a3b", (TeacherSetup("qwen3-30b-a3b", tp=2, ep=4, ranks=quarter),)),
+            ("qwen3-235b-a22b", (TeacherSetup("qwen3-235b-a22b", tp=8, pp=4, ep=8,
+                                              ranks=quarter),))]
+
+
+def _scenario(gpus: int, student: str, tp: int, placement: str, name: str):
+    """The scenario ``name`` of a world, and why its layouts do not fit that world (None if
+    they do)."""
+    from megatron_xdistill.transport.simulate import Scenario
+
+    teachers = dict(teacher_sets(gpus, placement))[name]
+    scenario = Scenario(gpus, student=student, student_tp=tp, teachers=teachers,
+                        placement=placement)
+    try:
+        scenario.global_batch_size()  # the layouts fit this world
+    except ValueError as exc:
+        return scenario, str(exc)
+    return scenario, None
+
+
+def smallest_world(student: str, tp: int, placement: str, name: str, above: int) -> int:
+    """The smallest power-of-two world above ``above`` GPUs whose layouts fit the scenario."""
+    gpus = 2 * above
+    while _scenario(gpus, student, tp, placement, name)[1] is not None:
+        gpus *= 2
+    return gpus
 
 
 def run(gpus: int, light: bool = False) -> list[dict]:
-    from megatron_xdistill.transport.simulate import Scenario, simulate
+    from megatron_xdistill.transport.simulate import simulate
 
     rows = []
     for student, tp in STUDENTS:
         for placement in ("colocated", "disaggregated"):
-            for name, teachers in teacher_sets(gpus, placement):
-                scenario = Scenario(gpus, student=student, student_tp=tp, teachers=teachers,
-                                    placement=placement)
-                try:
-                    scenario.global_batch_size()  # the layouts fit this world
-                except ValueError as exc:
+            for name, _ in teacher_sets(gpus, placement):
+                scenario, why = _scenario(gpus, student, tp, placement, name)
+                if why is not None:
                     rows.append({"gpus": gpus, "student": student, "teachers": name,
-                                 "placement": placement, "skipped": str(exc)})
+                                 "placement": placement, "skipped": why,
+                                 "min_gpus": smallest_world(student, tp, placement, name,
+                                                            gpus)})
                     continue
                 start = time.perf_counter()
                 ranks = [0] if light else None
@@ -77,10 +102,10 @@ def _commit() -> str:
 
 
 #: the docs' names of the pivot tables' rows and columns
-FORM_ORDER = ("full", "image", "gold", "topk", "chunk_topk")
+FORM_ORDER = ("full", "image", "gold", "gold_topk", "topk", "chunk_topk")
 STUDENT_LABEL = {"llama-3.2-1b": "L3.2-1b", "llama-3.1-8b": "L3.1-8b"}
 TEACHER_LABEL = {"qwen3-8b": "Q8b", "qwen3-32b": "Q32b", "qwen3-8b+qwen3-32b": "Q8b+Q32b",
-                 "qwen3-30b-a3b": "Q30b-A3b (MoE)"}
+                 "qwen3-30b-a3b": "Q30b-A3b (MoE)", "qwen3-235b-a22b": "Q235b-A22b (MoE)"}
 PLACEMENT_LABEL = {"colocated": "coloc.", "disaggregated": "disag."}
 
 
@@ -103,11 +128,19 @@ def columns() -> list[list[str]]:
             for p in PLACEMENT_LABEL for t in TEACHER_LABEL]
 
 
+def not_simulated(row: dict) -> str:
+    """A cell of a scenario whose layouts do not fit the world: n/a and from which world
+    they do (a skipped row's ``min_gpus``)."""
+    return f"n/a (layouts fit from {row['min_gpus']} GPUs)" if "min_gpus" in row else "n/a"
+
+
 def largest_world(records: list[dict]) -> list[dict]:
     """One row per payload form and student: per placement x teachers, the largest world where
     construction stays under 10 s and the transfer hides under compute ('none': at no world;
-    then the transfer against the step period at the smallest world)."""
+    then the transfer against the step period at the smallest world; 'from': the smallest
+    world the layouts fit, where smaller worlds have files)."""
     done = [r for record in records for r in record["rows"] if "scenario" in r]
+    skipped = [r for record in records for r in record["rows"] if "skipped" in r]
     out = []
     for form in FORM_ORDER:
         for student, label in STUDENT_LABEL.items():
@@ -115,27 +148,32 @@ def largest_world(records: list[dict]) -> list[dict]:
             for name in (c for c, _ in columns()):
                 ok = [r for r in done if r["scenario"]["form"] == form
                       and r["student"] == student and column(r) == name]
+                missing = sorted((r for r in skipped if r["student"] == student
+                                  and column(r) == name), key=lambda r: r["gpus"])
                 if not ok:
-                    cells[name] = "n/a"
+                    cells[name] = not_simulated(missing[-1]) if missing else "n/a"
                     continue
+                since = f", from {min(r['gpus'] for r in ok)}" if missing else ""
                 good = [r["gpus"] for r in ok if r["hides"] and r["constructs_under_10s"]]
                 first = min(ok, key=lambda r: r["gpus"])
                 if not good:
                     cells[name] = (f"none ({first['transfer_s']:.2g} s vs "
-                                   f"{first['period_s']:.2g} s)")
+                                   f"{first['period_s']:.2g} s{since})")
                     continue
                 below = sorted(r["gpus"] for r in ok if r["gpus"] < max(good)
                                and not (r["hides"] and r["constructs_under_10s"]))
-                cells[name] = str(max(good)) + (
-                    f" (fails at {', '.join(map(str, below))})" if below else "")
+                notes = ([f"fails at {', '.join(map(str, below))}"] if below else []) + (
+                    [since[2:]] if since else [])
+                cells[name] = str(max(good)) + (f" ({'; '.join(notes)})" if notes else "")
             out.append(cells)
     return out
 
 
 def _per_world(records: list[dict], cell, student: str, form: str) -> list[dict]:
     """One row per world (file): ``cell(row)`` in each placement x teachers column of
-    ``student``'s ``form`` rows, 'n/a' where the world does not fit the layouts; ``ranks`` says
-    which ranks the run constructed (``--light``: rank 0 only)."""
+    ``student``'s ``form`` rows, 'n/a' where the world does not fit the layouts (and from which
+    world they do); ``ranks`` says which ranks the run constructed (``--light``: rank 0
+    only)."""
     out = []
     for record in records:
         line = {"gpus": record["rows"][0]["gpus"],
@@ -145,6 +183,8 @@ def _per_world(records: list[dict], cell, student: str, form: str) -> list[dict]
         for r in record["rows"]:
             if "scenario" in r and r["student"] == student and r["scenario"]["form"] == form:
                 line[column(r)] = cell(r)
+            elif "skipped" in r and r["student"] == student:
+                line[column(r)] = not_simulated(r)
         out.append(line)
     return out
 

@@ -129,3 +129,22 @@ def test_single_rank_rows_and_refusals():
     assert build_chunk_rows(torch.tensor([[3]]), 4, None, None, 1).keys.tolist() == [3]
     empty = build_chunk_rows(torch.full((2, 3), -1), 4, None, None, 2)
     assert empty.num_rows == 0 and all(b.row_end == 0 for b in empty.blocks)
+
+
+def test_blocks_of_one_position_still_end_where_a_chunks_run_ends():
+    """The smallest block size: each block runs to the end of the chunk run it reaches, the
+    first (a three-position chunk at position 0) included, and holds that chunk's row whole."""
+    ids = torch.tensor([[0, 0, 0, 1, 2, 2]])
+    rows = build_chunk_rows(ids, 3, None, None, 1)
+    assert [(b.start, b.end, b.row_start, b.row_end) for b in rows.blocks] == [
+        (0, 3, 0, 1), (3, 4, 1, 2), (4, 6, 2, 3)]
+
+
+def test_include_drops_the_first_chunk_of_the_first_sample_too():
+    """An include mask that leaves out chunk 0 of sample 0 (the key 0) drops its row like any
+    other chunk's."""
+    ids = torch.tensor([[0, 0, 1, 2], [0, 1, 1, -1]])
+    include = torch.tensor([[False, True, True], [True, False, True]])
+    rows = build_chunk_rows(ids, 3, include, None, 4)
+    assert rows.keys.tolist() == [1, 2, 3]
+    assert rows.count.tolist() == [1.0, 1.0, 1.0]

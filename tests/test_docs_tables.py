@@ -159,6 +159,16 @@ def test_scale_prose_holds_in_the_result_files():
                 ratio = (r["traffic"]["busiest_gpu_nic_bytes_one_sender"]
                          / r["traffic"]["busiest_gpu_nic_bytes"])  # (+ 4-byte trailers)
                 assert abs(ratio / (t["tp"] * t["cp"]) - 1) < 1e-3, (teachers, r["gpus"], ratio)
+    # compact gold, top-k and chunk top-k hide in every scenario and world
+    for (_, _, _, form), worlds in by_case.items():
+        if form in ("gold_topk", "topk", "chunk_topk"):
+            assert all(r["hides"] for r in worlds.values()), form
+    # an 'n/a' world is too small: the scenario is simulated from its min_gpus on, not below
+    skipped = [r for record in bench.load(SCALE) for r in record["rows"] if "skipped" in r]
+    assert {r["teachers"] for r in skipped} >= {"qwen3-235b-a22b"}
+    for r in skipped:
+        worlds = by_case[r["student"], r["teachers"], r["placement"], "full"]
+        assert min(worlds) == r["min_gpus"] > r["gpus"], r
     # the busiest link is the same for every payload form
     for (student, teachers, placement, _), worlds in by_case.items():
         for gpus, r in worlds.items():

@@ -222,3 +222,72 @@ def test_an_moe_teachers_expert_groups_are_counted():
         assert (tuple(range(first, first + tp * ep, tp)), "nccl") in mine  # its EP group
         start = rank - rank % (tp * ep)
         assert (tuple(range(start, start + tp * ep)), "nccl") in mine  # its TP x EP group
+
+
+def test_compact_gold_payload_bytes_and_traffic_follow_its_sizes():
+    """The compact gold form (gold_topk, 64 / 256 by default): per chunk slot the k pairs' log-
+    probs and columns, their bucket, the k' sorted uncommon probabilities, their tail and the
+    has-teacher flag, 2k + k' + 3 floats; k' capped at the n = min(8,192, V_t - M, V_s - M)
+    ranks the loss compares (the student's vocabulary from the model). The step's traffic is
+    routes x those bytes, so the report scales with the form against chunk top-k's 2k + 2."""
+    from megatron_xdistill.transport.simulate import simulate
+
+    chunks = SMALL["seq_length"] + 1
+    for k, k_unc in ((64, 256), (16, 32)):
+        scenario = Scenario(16, form="gold_topk", seq_length=4096, gold_topk=k,
+                            gold_uncommon_topk=k_unc)
+        assert scenario.payload_numel(scenario.teachers[0]) == 4097 * (2 * k + k_unc + 3)
+    # 100 uncommon student tokens (V_s = 128,256, Llama-3): k' = 256 is cut to 100
+    tight = Scenario(16, form="gold_topk", num_common=128256 - 100, seq_length=4096)
+    assert tight.payload_numel(tight.teachers[0]) == 4097 * (2 * 64 + 100 + 3)
+
+    scenario = Scenario(16, student_tp=2, teachers=(TeacherSetup("qwen3-8b", tp=2, pp=2),),
+                        gpus_per_node=4, **SMALL)
+    chunk, gold = simulate(scenario, forms=("chunk_topk", "gold_topk"), memory=False)
+    assert gold["payload_bytes_per_sample"] == [4 * chunks * (2 * 64 + 256 + 3)]
+    assert chunk["payload_bytes_per_sample"] == [4 * chunks * (2 * SMALL["topk"] + 2)]
+    plans = construct(scenario, 0).routes
+    nodes, _ = places_of(16, 4)
+    crossing = sum(1 for r in plans[0] if nodes[r.src] != nodes[r.dst])
+    assert crossing > 0
+    for report in (chunk, gold):
+        assert report["traffic"]["cross_node_bytes"] == \
+            crossing * report["payload_bytes_per_sample"][0]
+    ratio = gold["payload_bytes_per_sample"][0] / chunk["payload_bytes_per_sample"][0]
+    assert gold["traffic"]["busiest_gpu_nic_bytes"] == \
+        ratio * chunk["traffic"]["busiest_gpu_nic_bytes"]
+    assert gold["transfer_s"] == pytest.approx(ratio * chunk["transfer_s"], rel=1e-12)
+
+
+def test_qwen3_235b_a22b_active_parameters_and_its_smallest_worlds():
+    """The Qwen3-235B-A22B-like teacher's active parameters from its published config (94
+    layers, hidden 4,096, 64 query / 4 KV heads of 128, 8 of 128 experts of intermediate
+    1,536, vocabulary 151,936, untied), written out per weight here; its TP8 PP4 EP8 layout
+    needs TP x PP = 32 GPUs a replica and EP 8 over the data-parallel ranks: 256 teacher GPUs,
+    so 256 GPUs colocated and 1,024 disaggregated on a quarter."""
+    from megatron_xdistill.transport.scale_costs import MODELS
+
+    q = o = 4096 * 8192
+    k = v = 4096 * 512
+    router = 4096 * 128
+    experts = 8 * (4096 * 1536 * 2 + 1536 * 4096)  # gate, up; down
+    norms = 128 + 128 + 4096 + 4096  # q_norm, k_norm, input and post-attention layer norms
+    layer = q + k + v + o + router + experts + norms
+    assert layer == 222_830_848
+    total = 94 * layer + 151936 * 4096 * 2 + 4096  # embeddings, output layer, final norm
+    shape = MODELS["qwen3-235b-a22b"]
+    assert shape.active_params == total == 22_190_763_520  # "22B activated"
+    assert (shape.layers, shape.attention_width, shape.vocab) == (94, 8192, 151936)
+
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_scale.py"
+    spec = importlib.util.spec_from_file_location("xdistill_bench_scale", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for placement, fits in (("colocated", 256), ("disaggregated", 1024)):
+        assert bench._scenario(fits // 2, "llama-3.2-1b", 1, placement,
+                               "qwen3-235b-a22b")[1] is not None
+        assert bench._scenario(fits, "llama-3.2-1b", 1, placement,
+                               "qwen3-235b-a22b")[1] is None
+        assert bench.smallest_world("llama-3.2-1b", 1, placement, "qwen3-235b-a22b", 64) == fits

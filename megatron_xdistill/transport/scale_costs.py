@@ -22,14 +22,30 @@ class ModelShape:
     vocab: int
 
 
-#: Public configurations (Hugging Face config.json of each model).
+def moe_shape(layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+              experts_active: int, moe_intermediate: int, vocab: int,
+              num_experts: int) -> ModelShape:
+    """A Qwen3-MoE decoder's :class:`ModelShape` from its config.json fields: per layer the
+    attention projections (Q and O: hidden x heads x head_dim; K and V: hidden x kv_heads x
+    head_dim), the router (hidden x ``num_experts``), the ``experts_active`` routed SwiGLU
+    experts a token runs (3 x hidden x ``moe_intermediate`` each), the Q/K norms and the two
+    layer norms; untied input embedding and output layer, the final norm."""
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+    per_layer = (attention + hidden * num_experts + experts_active * 3 * hidden
+                 * moe_intermediate + 2 * head_dim + 2 * hidden)
+    active = layers * per_layer + 2 * vocab * hidden + hidden
+    return ModelShape(float(active), layers, heads * head_dim, vocab)
+
+
+#: Public configurations (Hugging Face config.json of each model); the MoE models' active
+#: parameters (8 of 128 experts a token) from their config shapes.
 MODELS = {
     "llama-3.2-1b": ModelShape(1.24e9, 16, 32 * 64, 128256),
     "llama-3.1-8b": ModelShape(8.03e9, 32, 32 * 128, 128256),
     "qwen3-8b": ModelShape(8.19e9, 36, 32 * 128, 151936),
     "qwen3-32b": ModelShape(32.8e9, 64, 64 * 128, 151936),
-    "qwen3-30b-a3b": ModelShape(3.35e9, 48, 32 * 128, 151936),  # 8 of 128 experts active
-    "qwen3-235b-a22b": ModelShape(22.2e9, 94, 64 * 128, 151936),
+    "qwen3-30b-a3b": moe_shape(48, 2048, 32, 4, 128, 8, 768, 151936, num_experts=128),
+    "qwen3-235b-a22b": moe_shape(94, 4096, 64, 4, 128, 8, 1536, 151936, num_experts=128),
 }
 
 

@@ -62,6 +62,8 @@ class Scenario:
     topk: int = 64
     num_common: int = 109566  # Llama-3 -> Qwen3 common pairs (strict), measured
     num_image: int = 109827  # Llama-3 -> Qwen3: W's image over the student vocabulary
+    gold_topk: int = 64  # compact gold: --kd-gold-topk, common pairs shipped
+    gold_uncommon_topk: int = 256  # --kd-gold-uncommon-topk, sorted uncommon probabilities
 
     def placement_of(self) -> Placement:
         if self.placement == "colocated":
@@ -92,11 +94,13 @@ class Scenario:
         return -(-want // unit) * unit
 
     def payload_numel(self, teacher: TeacherSetup) -> int:
-        """Floats per sample (the loss package's payload spec for this form)."""
-        vocab = MODELS[teacher.model].vocab
-        spec = payload_spec("full" if self.form == "full" else self.form, self.seq_length + 1,
-                            vocab, topk=self.topk, num_common=self.num_common,
-                            num_image=self.num_image)
+        """Floats per sample (the loss package's payload spec for this form; the compact gold
+        form's uncommon span is capped by the student's vocabulary too)."""
+        spec = payload_spec(self.form, self.seq_length + 1, MODELS[teacher.model].vocab,
+                            topk=self.topk, num_common=self.num_common,
+                            num_image=self.num_image, gold_topk=self.gold_topk,
+                            gold_uncommon_topk=self.gold_uncommon_topk,
+                            student_vocab_size=MODELS[self.student].vocab)
         return spec.numel
 
 
