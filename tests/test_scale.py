@@ -42,11 +42,12 @@ def _opcodes(fn) -> int:
             return local
         return None
 
+    previous = sys.gettrace()  # coverage's tracer under `make coverage`: put it back after
     sys.settrace(tracer)
     try:
         fn()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return count
 
 
