@@ -397,16 +397,7 @@ COMPACT = [
 @pytest.fixture(scope="module")
 def expected_compact():
     """test_loss_parallel's references and payloads for :data:`SMALL` (the COMPACT configs)."""
-    case = make_case(**SMALL)
-    made: dict = {}
-
-    def get(n_dp: int):
-        if n_dp not in made:
-            made[n_dp] = (case, [layouts._reference(case, c, n_dp) for c in COMPACT],
-                          [layouts._payload(case, c, n_dp) for c in COMPACT])
-        return made[n_dp]
-
-    return get
+    return layouts.references_by_dp(make_case(**SMALL), COMPACT)
 
 
 @_ON_CPU

@@ -137,16 +137,7 @@ def pool():
 @pytest.fixture(scope="module")
 def expected():
     """test_loss_parallel's references and single-process payloads of :data:`COMPACT`."""
-    case = make_case(**layouts.CASE)
-    made: dict = {}
-
-    def get(n_dp: int):
-        if n_dp not in made:
-            made[n_dp] = (case, [layouts._reference(case, c, n_dp) for c in COMPACT],
-                          [layouts._payload(case, c, n_dp) for c in COMPACT])
-        return made[n_dp]
-
-    return get
+    return layouts.references_by_dp(make_case(**layouts.CASE), COMPACT)
 
 
 @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (2, 2)])

@@ -10,6 +10,8 @@ with the single-process reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -249,6 +251,20 @@ def _payload(case, config, n_dp: int) -> torch.Tensor:
             flat = part.new_zeros(case.chunk_valid.shape[0], part.shape[1])
         flat[s] = part
     return flat
+
+
+def references_by_dp(case, configs) -> Callable[[int], tuple]:
+    """``get(n_dp)`` -> (case, the float64 references of ``configs``, their single-process
+    payloads) for ``n_dp`` data-parallel ranks, each made once (a module fixture's value)."""
+    made: dict = {}
+
+    def get(n_dp: int):
+        if n_dp not in made:
+            made[n_dp] = (case, [_reference(case, c, n_dp) for c in configs],
+                          [_payload(case, c, n_dp) for c in configs])
+        return made[n_dp]
+
+    return get
 
 
 def _check_layout(outs, expected, tp: int, cp: int, which: list[int] | None = None,
