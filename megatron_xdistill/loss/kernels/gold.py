@@ -29,7 +29,7 @@ from megatron_xdistill.loss.collectives import (
 )
 from megatron_xdistill.loss.cpu import gold_block, gold_rows, sorted_l1
 from megatron_xdistill.loss.cpu import rows as cpu_rows
-from megatron_xdistill.loss.cpu.sorted_top import sorted_top
+from megatron_xdistill.loss.cpu.sorted_top import sorted_top, sorted_top_columns
 from megatron_xdistill.loss.cpu.threads import numba_takes
 from megatron_xdistill.loss.definitions.formulas import divergence
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
@@ -101,19 +101,14 @@ class GoldKernel:
         """(KL, top-1, d(sum_r weight_r KL_r) / d raw or None) of the forward KL with one TP
         rank by torch operations: the quantities of :meth:`kl` and of autograd through it.
         With a = (x - lz) / count: dKL/da is -P on the common pairs and sign(e^a - t) e^a on
-        the n uncommon values ``topk`` picked (0 where they tie, as autograd's abs); dKL/dx =
+        the n largest uncommon means (0 where they tie, as autograd's abs); dKL/dx =
         dKL/da / count on each column, dKL/dlz = -(their sum)."""
         x = raw["x"]
-        rows, n, num_unc = x.shape[0], self.num_uncommon, self.col_uncommon.numel()
+        rows = x.shape[0]
         b_common = rows_of(self.payload.logprobs, keys)
         p_common = b_common.exp()
-        means = (x - raw["lz"][:, None]).div_(counts.to(x.dtype)[:, None])  # all columns
-        a_common = means.index_select(1, self.col_common)
+        a_common, top, at = self._forward_means(raw, counts)
         kl = (p_common * (b_common - a_common)).sum(-1)
-        a_unc = means.index_select(1, self.col_uncommon)
-        if num_unc < n:  # fewer uncommon columns than candidates: -inf pads (e^a = 0)
-            a_unc = torch.cat([a_unc, x.new_full((rows, n - num_unc), float("-inf"))], 1)
-        top, at = a_unc.topk(n, dim=1)  # descending
         e = top.exp()
         diff = e - self._teacher_sorted(keys)
         kl = kl + diff.abs().sum(-1)
@@ -122,12 +117,35 @@ class GoldKernel:
         if weight is None:
             return kl, top1, None
         scale = (weight.to(x.dtype).expand(rows) / counts.to(x.dtype))[:, None]
-        g_unc = x.new_zeros(rows, a_unc.shape[1]).scatter_(
-            1, at, diff.sign_().mul_(e).mul_(scale))[:, :num_unc]
-        g = x.new_empty(rows, x.shape[1])  # the common and uncommon columns are all of it
-        g.index_copy_(1, self.col_common, p_common.mul_(scale).neg_())
+        return kl, top1, self._grad_from_means(x, p_common.mul_(scale).neg_(),
+                                               diff.sign_().mul_(e).mul_(scale), at)
+
+    def _forward_means(self, raw: Raw, counts: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The torch forward's chunk means a = (x - lz) / count at one TP rank: (a on the common
+        columns [r, M]; the n largest uncommon ones [r, n], descending, -inf past the uncommon
+        columns; their places among the uncommon columns, pads after them)."""
+        x = raw["x"]
+        rows, n, num_unc = x.shape[0], self.num_uncommon, self.col_uncommon.numel()
+        means = (x - raw["lz"][:, None]).div_(counts.to(x.dtype)[:, None])  # all columns
+        a_unc = means.index_select(1, self.col_uncommon)
+        if num_unc < n:  # fewer uncommon columns than candidates: -inf pads (e^a = 0)
+            a_unc = torch.cat([a_unc, x.new_full((rows, n - num_unc), float("-inf"))], 1)
+        top, at = sorted_top_columns(a_unc, n)
+        return means.index_select(1, self.col_common), top, at
+
+    def _grad_from_means(self, x: torch.Tensor, g_common: torch.Tensor,
+                         g_sorted: torch.Tensor, at: torch.Tensor) -> Raw:
+        """d / d raw from the gradients (already times weight / count) on the common means and
+        on the sorted uncommon ones at places ``at`` (:meth:`_forward_means`): each column's
+        gradient, the pads dropped, and dKL/dlz = -(the row's sum)."""
+        num_unc = self.col_uncommon.numel()
+        g_unc = x.new_zeros(x.shape[0], max(num_unc, self.num_uncommon)).scatter_(
+            1, at, g_sorted)[:, :num_unc]
+        g = x.new_empty(x.shape[0], x.shape[1])  # the common and uncommon columns are all of it
+        g.index_copy_(1, self.col_common, g_common)
         g.index_copy_(1, self.col_uncommon, g_unc)
-        return kl, top1, {"x": g, "lz": g.sum(-1).neg_()}
+        return {"x": g, "lz": g.sum(-1).neg_()}
 
     def kl_with_grad(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor,
                      weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Raw] | None:

@@ -15,7 +15,6 @@ import torch
 
 from megatron_xdistill.loss.blocks.block_data import Raw, rows_of
 from megatron_xdistill.loss.collectives import Group, group_size
-from megatron_xdistill.loss.cpu.sorted_top import sorted_top_columns
 from megatron_xdistill.loss.definitions.formulas import gold_topk_kl
 from megatron_xdistill.loss.definitions.payload import TeacherPayload
 from megatron_xdistill.loss.kernels.gold import GoldKernel
@@ -54,13 +53,8 @@ class CompactGoldKernel(GoldKernel):
         n largest uncommon means) and sign(sum_{j >= k'} s_j - t_tail) s_j on the ranks past k';
         dKL/dx = dKL/da / count, dKL/dlz = -(the row's sum)."""
         x, p = raw["x"], self.payload
-        rows, n, num_unc = x.shape[0], self.num_uncommon, self.col_uncommon.numel()
-        means = (x - raw["lz"][:, None]).div_(counts.to(x.dtype)[:, None])  # all columns
-        a_common = means.index_select(1, self.col_common)
-        a_unc = means.index_select(1, self.col_uncommon)
-        if num_unc < n:  # fewer uncommon columns than ranks: -inf pads (e^a = 0)
-            a_unc = torch.cat([a_unc, x.new_full((rows, n - num_unc), float("-inf"))], 1)
-        top, at = sorted_top_columns(a_unc, n)  # descending
+        rows = x.shape[0]
+        a_common, top, at = self._forward_means(raw, counts)
         s_sorted = top.exp()
         cols = rows_of(p.columns, keys)
         b_top = rows_of(p.logprobs, keys).to(x.dtype)
@@ -82,11 +76,7 @@ class CompactGoldKernel(GoldKernel):
         g_sorted = s_sorted.clone()
         g_sorted[:, :head].mul_((s_sorted[:, :head] - t_head).sign_())
         g_sorted[:, head:].mul_((s_sorted[:, head:].sum(-1) - t_tail).sign_()[:, None])
-        g_unc = x.new_zeros(rows, a_unc.shape[1]).scatter_(1, at, g_sorted.mul_(scale))
-        g = x.new_empty(rows, x.shape[1])  # the common and uncommon columns are all of it
-        g.index_copy_(1, self.col_common, g_common.mul_(scale))
-        g.index_copy_(1, self.col_uncommon, g_unc[:, :num_unc])
-        return kl, top1, {"x": g, "lz": g.sum(-1).neg_()}
+        return kl, top1, self._grad_from_means(x, g_common.mul_(scale), g_sorted.mul_(scale), at)
 
     def kl(self, raw: Raw, keys: torch.Tensor, counts: torch.Tensor, top1: bool = True
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
