@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_xdistill.align.chunks import Alignment, check_partition, finalize
-from megatron_xdistill.align.dp_aligner import align_sides, check_dp_options
+from megatron_xdistill.align.dp_aligner import _UNBOUNDED, _min_step, align_sides, check_dp_options
 from megatron_xdistill.align.offset_aligner import align_offsets, walk_offsets
 from megatron_xdistill.align.sides import Side
 
@@ -206,6 +206,114 @@ def test_dp_path_cuts_right_around_an_opaque_token():
         np.testing.assert_array_equal(align_sides(side(s_tokens), side(t_tokens)), want)
         swapped = np.array(want)[:, [2, 3, 0, 1, 4]]
         np.testing.assert_array_equal(align_sides(side(t_tokens), side(s_tokens)), swapped)
+
+
+def min_step_by_definition(s: Side, t: Side, i: int, j: int, cap: int) -> tuple[int, int]:
+    """The minimal exact step from student token ``i`` and teacher token ``j``, from its
+    definition: the shortest positive byte length ``L`` at which both sides have a token boundary
+    (the first token ending there) that starts a character; the step is the tokens up to it,
+    exact when neither side's start is inside a character, no token in it is opaque, each side
+    takes at most ``cap`` tokens and the ``L`` bytes are equal. ``(-1, -1)`` when there is none."""
+    def char_start(side_: Side, k: int) -> bool:
+        pos = int(side_.starts[k])
+        return k >= side_.n or pos >= len(side_.stream) or side_.stream[pos] & 0xC0 != 0x80
+
+    def ends(side_: Side, k0: int) -> dict[int, int]:
+        """Byte length from token ``k0`` -> first token index ending there, at a character."""
+        out: dict[int, int] = {}
+        for k in range(k0 + 1, side_.n + 1):
+            length = int(side_.starts[k] - side_.starts[k0])
+            if length > 0 and char_start(side_, k):
+                out.setdefault(length, k)
+        return out
+
+    if s.opaque[i] or t.opaque[j] or not (char_start(s, i) and char_start(t, j)):
+        return -1, -1
+    s_ends, t_ends = ends(s, i), ends(t, j)
+    common = sorted(set(s_ends) & set(t_ends))
+    if not common:
+        return -1, -1
+    length = common[0]
+    a, b = s_ends[length], t_ends[length]
+    x, y = int(s.starts[i]), int(t.starts[j])
+    if (a - i > cap or b - j > cap or s.opaque[i:a].any() or t.opaque[j:b].any()
+            or bytes(s.stream[x:x + length]) != bytes(t.stream[y:y + length])):
+        return -1, -1
+    return a, b
+
+
+def changed(tokens: list, rng: np.random.Generator) -> list:
+    """``tokens`` with a few tokens opaque and a few bytes replaced by other text."""
+    out = list(tokens)
+    for _ in range(int(rng.integers(0, 3))):
+        out[int(rng.integers(0, len(out)))] = OPAQUE
+    for _ in range(int(rng.integers(0, 3))):
+        k = int(rng.integers(0, len(out)))
+        if out[k] is not OPAQUE:
+            out[k] = str(rng.choice(PIECES)).encode()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_min_step_is_the_shortest_exact_common_prefix(seed):
+    """The synchronous walk's step, from every pair of start tokens and for caps of 1, 2, 3 and
+    none, equals the step worked out from its definition: on splits of one text, with opaque
+    tokens and replaced bytes, which end a step early or leave none (then exactly (-1, -1))."""
+    rng = np.random.default_rng(2000 + seed)
+    seen = {"steps": 0, "none": 0, "capped": 0}
+    for _ in range(12):
+        data = "".join(rng.choice(PIECES, 40)).encode()
+        s = side(changed(split(data, rng, False), rng))
+        t = side(changed(split(data, rng, False), rng))
+        for i in range(s.n):  # the teacher's tokens at the same byte and three others
+            at = np.flatnonzero(t.starts[:-1] == s.starts[i]).tolist()
+            for j in at + rng.integers(0, t.n, 3).tolist():
+                free = min_step_by_definition(s, t, i, j, _UNBOUNDED)
+                for cap in (1, 2, 3, _UNBOUNDED):
+                    want = min_step_by_definition(s, t, i, j, cap)
+                    got = _min_step(i, j, s.n, t.n, cap, s.starts, s.stream, s.opaque,
+                                    t.starts, t.stream, t.opaque)
+                    assert tuple(got) == want, (bytes(s.stream), bytes(t.stream), i, j, cap)
+                    seen["steps" if want[0] >= 0 else "none"] += 1
+                    seen["capped"] += want[0] < 0 <= free[0]
+    assert min(seen.values()) > 20, seen  # every outcome is exercised
+
+
+def test_text_after_the_other_sides_end_is_a_chunk_of_its_own():
+    """When one side's text ends and the other's goes on, the walk's last exact step is
+    followed by one inexact chunk of the remaining tokens against nothing, on either side."""
+    s = side([b"ab", b"c", b"de", b"f", b"gh", b"ij"])
+    t = side([b"a", b"bc", b"d", b"ef"])
+    want = [[0, 2, 0, 2, 1], [2, 4, 2, 4, 1], [4, 6, 4, 4, 0]]
+    np.testing.assert_array_equal(align_sides(s, t), want)
+    np.testing.assert_array_equal(align_sides(t, s), np.array(want)[:, [2, 3, 0, 1, 4]])
+
+
+def test_an_empty_token_goes_with_the_next_token_on_both_paths():
+    """A kept token with no bytes and a zero-width character span (none of the asset
+    tokenizers gives one on real text, but a converted vocabulary may): both paths put it in the
+    chunk of the token after it, or in the chunk before when none follows, so an exact chunk
+    stays exact; the offset path from character spans, the byte path from bytes alone. On either
+    side, after text the other side skips, at the start and at the end."""
+    cases = [  # (student, teacher) as (bytes, first character, end character); the chunks
+        (([(b"ab", 0, 2), (b"", 2, 2), (b"cd", 2, 4)], [(b"ab", 0, 2), (b"cd", 2, 4)]),
+         [[0, 1, 0, 1, 1], [1, 3, 1, 2, 1]]),
+        (([(b"", 0, 0), (b"ab", 0, 2)], [(b"ab", 0, 2)]), [[0, 2, 0, 1, 1]]),
+        (([(b"ab", 0, 2), (b"", 2, 2)], [(b"ab", 0, 2)]), [[0, 1, 0, 1, 1], [1, 2, 1, 1, 0]]),
+        (([(b"", 0, 0), (b"ab", 0, 2), (b"", 2, 2)], [(b"a", 0, 1), (b"", 1, 1), (b"b", 1, 2)]),
+         [[0, 2, 0, 3, 1], [2, 3, 3, 3, 0]]),
+        (([(b"X", 0, 1), (b"", 1, 1), (b"ab", 1, 3)], [(b"ab", 1, 3)]),
+         [[0, 1, 0, 0, 0], [1, 3, 0, 1, 1]]),
+    ]
+    for (s_tokens, t_tokens), want in cases:
+        for (a_tokens, b_tokens), cols in (((s_tokens, t_tokens), [0, 1, 2, 3, 4]),
+                                           ((t_tokens, s_tokens), [2, 3, 0, 1, 4])):
+            a, b = side([tok[0] for tok in a_tokens]), side([tok[0] for tok in b_tokens])
+            spans = [np.array([tok[1:] for tok in x], np.int64).reshape(-1, 2)
+                     for x in (a_tokens, b_tokens)]
+            expected = np.array(want)[:, cols]
+            np.testing.assert_array_equal(align_offsets(a, spans[0], b, spans[1]), expected)
+            np.testing.assert_array_equal(align_sides(a, b), expected)
 
 
 def test_different_text_gives_inexact_chunks_and_neighbours_merge():
