@@ -30,9 +30,7 @@ import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -440,14 +438,6 @@ def _load(path: Path) -> dict[tuple[str, str], dict]:
     return out
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def summarize(targets: list[Target], records: dict, equivalent: dict[str, str]) -> list[dict]:
     """One row per target: mutants, killed, survived, equivalent, killed % of the
     non-equivalent mutants; and the survivors."""
@@ -517,8 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         _run(targets, records_path, args)
     rows = summarize(targets, _load(records_path), equivalent)
     print_table(rows)
-    summary = {"machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.machine()})",
-               "commit": _git_commit(),
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.results import machine  # the record fields every result file has
+    from megatron_xdistill.demo.provenance import commit
+
+    summary = {"machine": machine(), "commit": commit(),
                "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "command": "python tools/mutate.py " + " ".join(argv or sys.argv[1:]),
                "rows": rows}
