@@ -178,9 +178,7 @@ def _source_line(spec: dict, record: dict, page: Path) -> str:
         return (f"<sub>Source: [`{spec['file']}/scale_*.json`]({link}) ({len(records)} files, "
                 f"{worlds[0]} to {worlds[-1]} GPUs); {machines}; {dates}.</sub>\n")
     machine = record.get("machine", {})
-    if isinstance(machine, str):  # a tool's own record (tools/mutate.py: "host (cores, arch)")
-        where, date = machine, record.get("date", "?")[:10]
-    elif source == "bench":
+    if source == "bench":
         where = ", ".join(machine.get("gpus") or []) or (
             f"{machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs")
         date = record.get("date", "?")[:10]
