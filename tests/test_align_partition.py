@@ -136,6 +136,11 @@ def spans_dropping_some(text: str, rng: np.random.Generator, runs: int) -> list:
     return [tok for tok, kept in zip(tokens, keep) if kept]
 
 
+def inside_a_character(data, at: int) -> bool:
+    """Whether byte ``at`` of ``data`` continues a UTF-8 character (its end: no)."""
+    return at < len(data) and data[at] & 0xC0 == 0x80
+
+
 def normal_form_from_spans(s: list, t: list) -> list[list[int]]:
     """The chunks of two ``(bytes, char_lo, char_hi)`` token lists worked out from the
     definition (chunks.py's docstring): a cut before student token i and teacher token j exists
@@ -152,9 +157,6 @@ def normal_form_from_spans(s: list, t: list) -> list[list[int]]:
     s_bytes, t_bytes = b"".join(tok[0] for tok in s), b"".join(tok[0] for tok in t)
     s_at = np.cumsum([0] + [len(tok[0]) for tok in s]).tolist()
     t_at = np.cumsum([0] + [len(tok[0]) for tok in t]).tolist()
-
-    def inside_a_character(data: bytes, at: int) -> bool:
-        return at < len(data) and data[at] & 0xC0 == 0x80
 
     def exact(a: int, b: int, p: int, q: int) -> bool:
         return (a < b and p < q and s_bytes[s_at[a]:s_at[b]] == t_bytes[t_at[p]:t_at[q]]
@@ -215,8 +217,7 @@ def min_step_by_definition(s: Side, t: Side, i: int, j: int, cap: int) -> tuple[
     exact when neither side's start is inside a character, no token in it is opaque, each side
     takes at most ``cap`` tokens and the ``L`` bytes are equal. ``(-1, -1)`` when there is none."""
     def char_start(side_: Side, k: int) -> bool:
-        pos = int(side_.starts[k])
-        return k >= side_.n or pos >= len(side_.stream) or side_.stream[pos] & 0xC0 != 0x80
+        return not inside_a_character(side_.stream, int(side_.starts[k]))
 
     def ends(side_: Side, k0: int) -> dict[int, int]:
         """Byte length from token ``k0`` -> first token index ending there, at a character."""
