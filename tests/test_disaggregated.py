@@ -44,6 +44,9 @@ def test_first_steps_match_colocated_reference(e2e_setup, e2e_reference, e2e_poo
         assert record["time_teacher"] > 0 and record["time_route"] >= 0
 
 
+@pytest.mark.slow  # the suite's 30 minutes: disaggregated training stays in the default run
+# (test_first_steps_match_colocated_reference), the payloads across nodes too (the [two_nodes]
+# stream tests here and test_transport's two-node test)
 def test_two_nodes_match_colocated_reference(e2e_setup, e2e_reference):
     """Two torchrun "nodes" (GROUP_RANK = rank // 2): the teacher ranks sit on node 1, the
     student ranks on node 0, so every payload crosses nodes (point-to-point); same losses."""

@@ -298,6 +298,8 @@ def test_sample_weights_on_the_row_path_equal_the_recomputing_call(monkeypatch):
     assert not torch.allclose(grad, unweighted, rtol=1e-3, atol=1e-5)  # the weights count
 
 
+@pytest.mark.slow  # the suite's 30 minutes: the same path in float32 against the float64
+# reference stays in the default run (test_image_from_logits_path_matches_reference)
 def test_image_from_logits_path_in_float64_matches_reference(monkeypatch):
     """Float64 logits (gradcheck's precision) on the row path: the blockwise passes' loss and
     gradient in float64 to 1e-11 (the same sums in another order), and the float64 reference's

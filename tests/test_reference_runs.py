@@ -163,6 +163,7 @@ def test_two_teachers_config_at_two_ranks_matches_single_rank(models):
     check_run(root, "two_tp2", "two_ref")
 
 
+@pytest.mark.slow  # the suite's 30 minutes; its 8-rank sibling is slow too (make test-slow)
 def test_qwen3_config_at_four_ranks_matches_single_rank(models, e2e_pool):
     root, s_tok, t_tok = models
     single = {"tensor_model_parallel_size": 1, "context_parallel_size": 1,

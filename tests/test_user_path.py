@@ -123,7 +123,8 @@ def test_bad_input_is_one_message_before_anything_is_built(e2e_setup, wrong_proj
 
 
 @needs_shared_assets
-@pytest.mark.parametrize("where", ["checks", "full_read"])
+@pytest.mark.parametrize("where", [  # the suite's 30 minutes: one torchrun case by default
+    "checks", pytest.param("full_read", marks=pytest.mark.slow)])
 def test_under_torchrun_rank_0_alone_reports(e2e_setup, wrong_projection, tmp_path, where):
     """Two ranks under torchrun: one line (rank 0's), ranks exit 2, no traceback of ours
     (torchrun adds its own summary of the failed ranks). ``checks``: found by every rank before
