@@ -42,7 +42,8 @@ def _measure(args, models, prompts: Path, new_tokens: int, work: Path) -> dict:
         "teacher-seq-length": 96 + new_tokens, "max-new-tokens": new_tokens,
         "teacher-tensor-model-parallel-size": 2 if args.nproc % 2 == 0 else 1,
         "micro-batch-size": 1, "global-batch-size": args.global_batch_size, "bf16": args.bf16,
-        "train-iters": args.train_iters, "lr": "1e-5", "kd-topk": 64, "gkd-beta": 1.0,
+        "train-iters": args.train_iters, "lr": "1e-5", "kd-loss": "pkl", "kd-topk": 64,
+        "gkd-beta": 1.0,
         "ce-weight": 0.0, "sampling-temperature": 1.0, "log-interval": 1,
         "metrics-file": metrics})
     env = cpu_env(1)

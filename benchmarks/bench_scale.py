@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -94,11 +92,6 @@ def run(gpus: int, light: bool = False) -> list[dict]:
                 print(f"{gpus:>6} {student:<13} {name:<19} {placement:<13} "
                       f"{time.perf_counter() - start:6.1f} s", flush=True)
     return rows
-
-
-def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
 
 
 #: the docs' names of the pivot tables' rows and columns
@@ -254,9 +247,10 @@ def main() -> None:
     compat.install()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
-                       f"{platform.python_version()})",
-            "commit": _commit(), "date": datetime.date.today().isoformat(),
+    from benchmarks.results import machine  # the record fields every result file has
+    from megatron_xdistill.demo.provenance import commit
+
+    meta = {"machine": machine(), "commit": commit(), "date": datetime.date.today().isoformat(),
             "command": "python benchmarks/bench_scale.py " + " ".join(sys.argv[1:])}
     records = []
     for gpus in args.gpus:

@@ -139,7 +139,7 @@ def measure_steps(args, work: Path) -> list[tuple]:
         cmd = pretrain_command(models, 1, {
             "data-path": train, "seq-length": 128, "teacher-seq-length": 160,
             "micro-batch-size": 1, "global-batch-size": 2, "train-iters": args.train_iters,
-            "lr": "3e-5", "kd-topk": 64, "ce-weight": "0.1", "log-interval": 1,
+            "lr": "3e-5", "kd-loss": "pkl", "kd-topk": 64, "ce-weight": "0.1", "log-interval": 1,
             "metrics-file": metrics, "num-workers": 1, "data-cache-path": work / "data_cache",
             "teacher-cache": work / "teacher_cache"})
         env = cpu_env(2)

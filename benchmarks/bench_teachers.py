@@ -94,7 +94,8 @@ def _measure(args, pairs: dict, names: list[str], train: Path, work: Path,
     cmd = pretrain_command(pairs[names[0]], world, {
         "teachers-config": config, "data-path": train, "seq-length": args.seq_length,
         "micro-batch-size": 1, "global-batch-size": 2 * args.nproc,
-        "train-iters": args.train_iters, "lr": "3e-5", "kd-topk": 64, "log-interval": 1,
+        "train-iters": args.train_iters, "lr": "3e-5", "kd-loss": "pkl", "kd-topk": 64,
+        "log-interval": 1,
         "metrics-file": metrics, "num-workers": 1, "data-cache-path": work / f"cache-{tag}",
         "teacher-placement": placement})
     run_command(cmd, env=dict(cpu_env(args.threads_per_rank), CUDA_VISIBLE_DEVICES=""),

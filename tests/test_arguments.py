@@ -14,8 +14,39 @@ def test_defaults_are_derived(base):
     args = parse_args(base, world_size=4)
     assert args.teacher_seq_length is None  # derived from the data when the run starts
     assert args.lr_decay_iters == 3
-    assert args.kd_loss == "pkl"
+    # gold from its compact payload by measurement (parser's --kd-loss help, REPORT.md)
+    assert args.kd_loss == "gold" and args.teachers[0].kd_loss == "gold"
+    assert (args.kd_gold_topk, args.kd_gold_uncommon_topk) == (64, 256)
+    assert (args.kd_topk, args.kd_topk_mode) == (64, "chunk")  # pkl's, for --kd-loss pkl
+    view = args.teachers[0].view(args)
+    assert (view.kd_gold_topk, view.kd_gold_uncommon_topk, view.kd_topk) == (64, 256, 64)
     assert args.gkd_beta is None and args.teachers[0].gkd_beta is None
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--kd-topk", "128"], r"--kd-topk is for the P-KL payload, but this teacher's loss is gold "
+                           r"\(default: gold\): add --kd-loss pkl"),
+    (["--kd-topk-mode", "global", "--kd-loss", "hkl"], r"--kd-topk-mode is for the P-KL payload"),
+    (["--kd-loss", "pkl", "--kd-gold-topk", "16"],
+     r"--kd-gold-topk is for the gold / H-KL payload, but this teacher's loss is pkl"),
+])
+def test_a_payload_size_of_another_loss_is_an_error(base, extra, message):
+    with pytest.raises(ValueError, match=message):
+        parse_args(base + extra, world_size=1)
+
+
+def test_each_loss_takes_its_own_payload_sizes(base, tmp_path):
+    args = parse_args(base + ["--kd-loss", "pkl", "--kd-topk", "128"], world_size=1)
+    assert (args.teachers[0].kd_topk, args.teachers[0].kd_gold_topk) == (128, 64)
+    config = tmp_path / "teachers.yaml"
+    config.write_text("teachers:\n- name: a\n  kd_gold_topk: 16\n- name: b\n"
+                      "  kd_loss: pkl\n  kd_topk: 8\n")
+    args = parse_args(base + ["--teachers-config", str(config)], world_size=1)
+    assert [(t.kd_loss, t.kd_topk, t.kd_gold_topk) for t in args.teachers] == [
+        ("gold", 64, 16), ("pkl", 8, 64)]
+    config.write_text("teachers:\n- name: a\n  kd_topk: 8\n")
+    with pytest.raises(ValueError, match=r"teachers\[0\]: kd_topk is for the P-KL payload"):
+        parse_args(base + ["--teachers-config", str(config)], world_size=1)
 
 
 def test_gkd_beta_reaches_each_teachers_view(base, tmp_path):

@@ -67,12 +67,16 @@ def make_setup(root: Path) -> tuple[Path, Path, Path]:
 
 
 def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> list[str]:
-    return ["--load", str(root / "student"), "--teacher-load", str(root / "teacher"),
+    """A tiny run's flags: P-KL chunk top-16 unless ``extra`` names another ``--kd-loss``
+    (whose payload flags are its own: a P-KL size beside it is refused)."""
+    loss = extra[extra.index("--kd-loss") + 1] if "--kd-loss" in extra else "pkl"
+    payload = ["--kd-loss", "pkl", "--kd-topk", "16"] if loss == "pkl" else []
+    return [*payload, "--load", str(root / "student"), "--teacher-load", str(root / "teacher"),
             "--tokenizer-model", str(s_tok), "--teacher-tokenizer-model", str(t_tok),
             "--projection-path", str(root / "proj.safetensors"),
             "--data-path", str(root / "train.jsonl"), "--seq-length", "32",
             "--teacher-seq-length", "40", "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--train-iters", str(STEPS), "--lr", "1e-3", "--kd-topk", "16",
+            "--train-iters", str(STEPS), "--lr", "1e-3",
             "--ce-weight", "0.5", "--num-workers", "0", "--metrics-file",
             str(root / f"{name}.jsonl"), "--data-cache-path", str(root / "cache"), *extra]
 

@@ -59,7 +59,8 @@ def _argv(root: Path, s_tok: Path, t_tok: Path, name: str, extra: list[str]) -> 
             "--projection-path", str(root / "proj.safetensors"), "--on-policy",
             "--data-path", str(root / "prompts.jsonl"), "--seq-length", "64",
             "--teacher-seq-length", "112", "--max-new-tokens", "8", "--micro-batch-size", "1",
-            "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3", "--kd-topk", "16",
+            "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3",
+            "--kd-loss", "pkl", "--kd-topk", "16",
             "--ce-weight", "0", "--gkd-beta", "0.5", "--log-interval", "1",
             "--metrics-file", str(root / f"{name}.jsonl"),
             "--generations-file", str(root / f"{name}.gen.jsonl"), *extra]

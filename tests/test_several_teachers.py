@@ -364,8 +364,8 @@ def test_teachers_file_defaults_come_from_the_flags(tmp_path):
     """A key an entry leaves out takes the run's flag; the flag form is the one-teacher case."""
     t = _teacher(tmp_path)
     args = _parse(tmp_path, {"teachers": [{**t, "name": "a", "kd_topk": 8}, {**t, "name": "b"}]},
-                  ["--kd-topk", "32", "--kd-temperature", "2", "--teacher-combination",
-                   "select"])
+                  ["--kd-loss", "pkl", "--kd-topk", "32", "--kd-temperature", "2",
+                   "--teacher-combination", "select"])
     assert [s.kd_topk for s in args.teachers] == [8, 32]
     assert [s.kd_temperature for s in args.teachers] == [2.0, 2.0]
     assert args.teacher_combination == "select"

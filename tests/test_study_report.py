@@ -224,6 +224,7 @@ def test_compact_gold_variants_share_one_cache_and_the_gold_rows_stay():
     gold = dict(cfg.variants["gold_ep4"])
     options = study._options(cfg, data, gold, 1)
     assert (options["kd-gold-topk"], options["kd-gold-uncommon-topk"]) == (0, 0)
+    assert "kd-topk" not in options and "kd-topk-mode" not in options  # P-KL's: refused here
     assert study._form(cfg, gold, 1) == "gold-T1.0-plan1000"
     assert "kd-gold-topk" not in study._options(cfg, data, dict(cfg.variants["pkl_ep4"]), 1)
     published = json.loads((Path(study.HERE) / "results" / "signal.json").read_text())["runs"]

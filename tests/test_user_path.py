@@ -47,7 +47,7 @@ def _base(root: Path, s_tok: Path, t_tok: Path, **changes: str) -> list[str]:
               "--data-path": str(root / "train.jsonl"), "--seq-length": "32",
               "--teacher-seq-length": "40", "--micro-batch-size": "1",
               "--global-batch-size": "4", "--train-iters": "2", "--lr": "1e-3",
-              "--kd-topk": "16", "--num-workers": "0",
+              "--kd-loss": "pkl", "--kd-topk": "16", "--num-workers": "0",
               "--data-cache-path": str(root / "cache")}
     values.update(changes)
     return [token for flag, value in values.items() for token in (flag, value)]

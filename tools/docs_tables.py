@@ -167,20 +167,28 @@ def _cell(value: Any, fmt: str | None) -> str:
     return str(value)
 
 
+def _machine_words(machine: dict) -> str:
+    """A result file's machine record (benchmarks.results.machine) in a few words: its GPUs,
+    else its CPU and how many."""
+    if machine.get("gpus"):
+        return ", ".join(machine["gpus"])
+    count = machine.get("cpu_count")
+    return f"{machine.get('cpu', '?')}" + (f", {count} CPUs" if count else "")
+
+
 def _source_line(spec: dict, record: dict, page: Path) -> str:
     link = os.path.relpath(REPO / spec["file"], page.parent)
     source = spec.get("source", "bench")
     if source == "scale":  # one file per world, each with its machine and date
         records = record["scale"]
         worlds = [r["rows"][0]["gpus"] for r in records]
-        machines = ", ".join(dict.fromkeys(r["machine"] for r in records))
+        machines = "; ".join(dict.fromkeys(_machine_words(r["machine"]) for r in records))
         dates = ", ".join(dict.fromkeys(r["date"] for r in records))
         return (f"<sub>Source: [`{spec['file']}/scale_*.json`]({link}) ({len(records)} files, "
                 f"{worlds[0]} to {worlds[-1]} GPUs); {machines}; {dates}.</sub>\n")
     machine = record.get("machine", {})
     if source == "bench":
-        where = ", ".join(machine.get("gpus") or []) or (
-            f"{machine.get('cpu', '?')}, {machine.get('cpu_count', '?')} CPUs")
+        where = _machine_words(machine)
         date = record.get("date", "?")[:10]
     else:  # the studies keep their own machine record
         where = (f"{machine.get('cpu_count', '?')} CPUs, torch {machine.get('torch', '?')}"

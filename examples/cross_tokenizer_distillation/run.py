@@ -79,7 +79,8 @@ def train_options(cfg, name: str, data: dict, run_dir: Path, work: Path) -> dict
     s, te = cfg.layout.student, cfg.layout.teacher
     gold = ({"kd-gold-topk": int(variant.get("gold_topk", 0)),
              "kd-gold-uncommon-topk": int(variant.get("gold_uncommon_topk", 0))}
-            if variant.kd_loss in ("gold", "hkl") else {})
+            if variant.kd_loss in ("gold", "hkl")
+            else {"kd-topk": kd.topk, "kd-topk-mode": kd.topk_mode})  # each loss its own flags
     return {**gold,
         "tensor-model-parallel-size": s.tp, "pipeline-model-parallel-size": s.pp,
         "context-parallel-size": s.cp,
@@ -94,7 +95,7 @@ def train_options(cfg, name: str, data: dict, run_dir: Path, work: Path) -> dict
         "lr-decay-style": t.lr_decay_style, "weight-decay": t.weight_decay,
         "clip-grad": t.clip_grad, "bf16": bool(t.bf16),
         "kd-loss": variant.kd_loss, "kd-weight": variant.kd_weight,
-        "ce-weight": variant.ce_weight, "kd-topk": kd.topk, "kd-topk-mode": kd.topk_mode,
+        "ce-weight": variant.ce_weight,
         "kd-temperature": kd.temperature,
         "eval-interval": t.eval_interval, "eval-iters": t.eval_iters,
         "log-interval": 1, "num-workers": t.num_workers,

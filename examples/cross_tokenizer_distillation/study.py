@@ -91,11 +91,12 @@ def _kd(cfg, variant: dict) -> dict:
     cache is shared). Gold / H-KL: the compact payload's ``gold_topk`` /
     ``gold_uncommon_topk``, 0 / 0 (the full payload) where the variant sets none."""
     get = lambda key: variant.get(key, cfg.kd.get(key))  # noqa: E731
-    out = {"kd-topk": get("topk"), "kd-topk-mode": get("topk_mode"),
-           "kd-temperature": get("temperature")}
-    if variant["kd_loss"] in ("gold", "hkl"):
+    out = {"kd-temperature": get("temperature")}
+    if variant["kd_loss"] in ("gold", "hkl"):  # each loss takes its own payload flags only
         out["kd-gold-topk"] = int(variant.get("gold_topk", 0))
         out["kd-gold-uncommon-topk"] = int(variant.get("gold_uncommon_topk", 0))
+    else:
+        out |= {"kd-topk": get("topk"), "kd-topk-mode": get("topk_mode")}
     if get("dynamic_scaling"):
         out["kd-dynamic-scaling"] = True
     if get("skip_student_split"):
@@ -113,7 +114,7 @@ def _form(cfg, variant: dict, seed: int) -> str:
     kd = _kd(cfg, variant)
     plan = _epochs(variant).get("samples-per-epoch")
     # the gold form ships every common pair (no top-k): the payload top-k is not part of it
-    form = payload_form(variant["kd_loss"], kd["kd-topk"], kd["kd-topk-mode"],
+    form = payload_form(variant["kd_loss"], kd.get("kd-topk"), kd.get("kd-topk-mode"),
                         kd.get("kd-gold-topk", 0), kd.get("kd-gold-uncommon-topk", 0))
     columns = ("" if form == "gold" else
                f"-g{kd['kd-gold-topk']}u{kd['kd-gold-uncommon-topk']}" if form == "gold_topk"
@@ -136,7 +137,7 @@ def _cache_variant(cfg, variant: dict) -> dict:
                     "gold_uncommon_topk": big.gold_uncommon_topk}
         return variant
     shared = _kd(cfg, {"kd_loss": "pkl"})
-    if (own["kd-topk-mode"] == shared["kd-topk-mode"] == "chunk"
+    if (own.get("kd-topk-mode") == shared["kd-topk-mode"] == "chunk"
             and own["kd-temperature"] == shared["kd-temperature"]
             and 0 < own["kd-topk"] < shared["kd-topk"]):
         return {**variant, "topk": shared["kd-topk"]}

@@ -84,7 +84,7 @@ def train(cfg, name: str, models, data: dict, work: Path) -> Path:
         "teacher-tensor-model-parallel-size": tp, "micro-batch-size": cfg.micro_batch_size,
         "global-batch-size": cfg.global_batch_size, "train-iters": cfg.steps, "lr": cfg.lr,
         "min-lr": cfg.min_lr, "lr-warmup-iters": cfg.lr_warmup_iters,
-        "lr-decay-style": "cosine", "kd-topk": cfg.kd_topk, "seed": cfg.seed,
+        "lr-decay-style": "cosine", "kd-loss": "pkl", "kd-topk": cfg.kd_topk, "seed": cfg.seed,
         "gkd-lambda": variant.gkd_lambda, "gkd-beta": variant.gkd_beta,
         "ce-weight": variant.ce_weight, "reward-fn": cfg.reward_fn, "log-interval": 1,
         "metrics-file": run_dir / "metrics.jsonl",

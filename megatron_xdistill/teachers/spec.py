@@ -14,6 +14,7 @@ run's flag of the same concept, so settings shared by all teachers are written o
       - name: llama3b               # shares the student's tokenizer: token-level KL, no projection
         load: /ckpt/llama-3.2-3b
         tokenizer_model: /tok/llama-3.2
+        kd_loss: pkl
         kd_topk: 128
         weight: 0.3
     combination: sum                # or select (one teacher per sample: the lowest CE on its text)
@@ -33,6 +34,14 @@ import os
 from dataclasses import dataclass, replace
 
 COMBINATIONS = ("sum", "select")
+
+# Payload sizes, each of one loss family; unset (None) until a teacher's loss is known, so a size
+# given for another loss is an error rather than ignored (see :func:`with_payload_defaults`).
+PKL_PAYLOAD_DEFAULTS = {"kd_topk": 64, "kd_topk_mode": "chunk"}
+GOLD_PAYLOAD_DEFAULTS = {"kd_gold_topk": 64, "kd_gold_uncommon_topk": 256}
+_PAYLOAD_FLAG = {"kd_topk": "--kd-topk", "kd_topk_mode": "--kd-topk-mode",
+                 "kd_gold_topk": "--kd-gold-topk",
+                 "kd_gold_uncommon_topk": "--kd-gold-uncommon-topk"}
 
 # YAML key -> the run's flag (its argparse dest) it defaults to and stands for in a teacher's view.
 _FLAG_OF = {
@@ -110,9 +119,31 @@ class TeacherSpec:
         return replace(self, seq_length=seq_length)
 
 
-def _from_flags(args: argparse.Namespace, name: str, entry: dict) -> TeacherSpec:
+def _from_flags(args: argparse.Namespace, name: str, entry: dict,
+                where: str | None = None) -> TeacherSpec:
     values = {key: entry.get(key, getattr(args, dest)) for key, dest in _FLAG_OF.items()}
-    return TeacherSpec(name=name, **values)
+    return with_payload_defaults(TeacherSpec(name=name, **values), where)
+
+
+def with_payload_defaults(spec: TeacherSpec, where: str | None = None) -> TeacherSpec:
+    """``spec`` with the payload sizes filled in from their defaults. A size of the other
+    loss family (``--kd-topk`` / ``--kd-topk-mode`` are P-KL's, ``--kd-gold-topk`` /
+    ``--kd-gold-uncommon-topk`` gold's and H-KL's) is an error naming it: with gold as the
+    default loss, ``--kd-topk 128`` alone would otherwise be dropped without a word."""
+    pkl = spec.kd_loss == "pkl"
+    own, other = ((PKL_PAYLOAD_DEFAULTS, GOLD_PAYLOAD_DEFAULTS) if pkl
+                  else (GOLD_PAYLOAD_DEFAULTS, PKL_PAYLOAD_DEFAULTS))
+    stray = [key for key in other if getattr(spec, key) is not None]
+    if stray:
+        names = ", ".join(key if where else _PAYLOAD_FLAG[key] for key in stray)
+        fix = ("--kd-loss pkl" if not pkl else "--kd-loss gold (or hkl)")
+        raise ValueError(f"{where + ': ' if where else ''}{names} "
+                         f"{'is' if len(stray) == 1 else 'are'} for the "
+                         f"{'P-KL' if not pkl else 'gold / H-KL'} payload, but this teacher's "
+                         f"loss is {spec.kd_loss} (default: gold): add {fix}, or drop "
+                         f"{names}")
+    unset = {key: value for key, value in (own | other).items() if getattr(spec, key) is None}
+    return replace(spec, **unset)
 
 
 def single_teacher(args: argparse.Namespace) -> TeacherSpec:
@@ -189,7 +220,7 @@ def teachers_from_args(args: argparse.Namespace) -> tuple[list[TeacherSpec], str
         if name in names:
             raise ValueError(f"{where}: name {name!r} is used twice; give each teacher its own")
         names.add(name)
-        spec = _from_flags(args, name, typed)
+        spec = _from_flags(args, name, typed, where)
         if spec.tokenizer_model is None:
             raise ValueError(f"{where}: no tokenizer_model (and no --teacher-tokenizer-model "
                              f"to default to)")

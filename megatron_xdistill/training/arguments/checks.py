@@ -11,7 +11,11 @@ from collections.abc import Sequence
 from megatron_xdistill.onpolicy.arguments import check_onpolicy_args
 from megatron_xdistill.parallel.placement import Placement
 from megatron_xdistill.parallel.shape import ParallelLayout
-from megatron_xdistill.teachers.spec import teachers_from_args
+from megatron_xdistill.teachers.spec import (
+    GOLD_PAYLOAD_DEFAULTS,
+    PKL_PAYLOAD_DEFAULTS,
+    teachers_from_args,
+)
 from megatron_xdistill.training.arguments.megatron_lm import check_megatron_lm_arguments
 from megatron_xdistill.training.arguments.parser import (
     KD_LOSSES,
@@ -40,7 +44,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
            "only")
     _check(args.recompute_num_layers is None or args.recompute_num_layers >= 1,
            f"--recompute-num-layers must be >= 1, got {args.recompute_num_layers}")
-    args.teachers, args.teacher_combination = teachers_from_args(args)
+    args.teachers, args.teacher_combination = teachers_from_args(args)  # checks payload sizes
+    for key, value in (PKL_PAYLOAD_DEFAULTS | GOLD_PAYLOAD_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     several = len(args.teachers) > 1
     placement = Placement.from_args(args, world_size)  # raises with what to change
     dp_student = _check_layout(args, "student", placement, world_size)

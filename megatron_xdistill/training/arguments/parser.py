@@ -219,39 +219,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bf16", action="store_true", help="bf16 weights and activations")
 
     g = p.add_argument_group("distillation")
-    g.add_argument("--kd-loss", choices=KD_LOSSES, default="pkl",
-                   help="projected KL (pkl), gold/ULD hybrid (gold) or H-KL (hkl). pkl is the "
-                   "default for its cost: a payload of --kd-topk columns per chunk (522 B per "
-                   "student token at top-64). gold ships, by default, a compact payload of about "
-                   "1.5 KB per token (--kd-gold-topk, --kd-gold-uncommon-topk), or with both at "
-                   "0 every common-vocabulary probability (120-190 KB per token, 230-365x, as in "
-                   "the study below); its loss is 4-6x pkl's on CPU "
-                   "(benchmarks/bench_loss.py); hkl costs the same. In the quality study (3 seeds "
-                   "each) gold and hkl taught a random-init student best (0.06 / 0.09-0.12 "
-                   "bits/byte ahead of pkl top-64; hkl, whose common vocabulary adds rows of "
-                   "top-1 weight >= 0.6, 0.03 ahead of gold on one held-out set, within the seed "
-                   "spread) and gold a pretrained one a little worse than pkl with "
-                   "--kd-first-token (0.005 / 0.009 behind), with the full payload "
-                   "(examples/cross_tokenizer_distillation/REPORT.md; the compact default's "
-                   "rows are the study's gold_c* / hkl_c* variants, docs/losses.md)")
-    g.add_argument("--kd-gold-topk", type=int, default=64, metavar="K",
+    g.add_argument("--kd-loss", choices=KD_LOSSES, default="gold",
+                   help="gold/ULD hybrid (gold, the default), H-KL (hkl) or projected KL (pkl). "
+                   "gold is the default by measurement: in the quality study (11M random-init "
+                   "student, SmolLM2-135M teacher, 3 seeds) gold from its compact payload "
+                   "(--kd-gold-topk 64, --kd-gold-uncommon-topk 256: 1,554 B per student token) "
+                   "taught 0.135 / 0.048 bits/byte better than pkl top-64 on the two held-out "
+                   "sets, every seed, beyond twice the seed spread, and within the spread of gold "
+                   "from its full payload (120-190 KB per token). It costs 3x pkl's payload (522 B "
+                   "per token) and, on CPU, 2.9x the time of Megatron's CE (2,048 tokens, "
+                   "49,152 columns; benchmarks/bench_loss.py, whose GPU rows of the fused "
+                   "compact kernels a device run still owes; pkl's chunk top-64 is 0.6-1.6x CE "
+                   "there). hkl, gold with cross-token common pairs, tied full "
+                   "gold but lost more to the compact payload. pkl is the cheapest payload that "
+                   "trains and the only form of --kd-topk, --kd-topk-mode and --kd-first-token; "
+                   "on the study's pretrained pair (SmolLM2-135M <- Qwen2.5-Coder-0.5B) pkl with "
+                   "--kd-first-token led full gold by 0.005 / 0.009, within the spread "
+                   "(examples/cross_tokenizer_distillation/REPORT.md, docs/losses.md)")
+    g.add_argument("--kd-gold-topk", type=int, default=None, metavar="K",
                    help="gold / hkl: the teacher ships each chunk's K most probable common "
                    "pairs and one bucket for its mass on the others (the student's bucket is "
-                   "exact); 0 = every common pair. With --kd-gold-uncommon-topk 256 the payload "
-                   "is 1,548 B a chunk (2K + K' + 3 floats) instead of 120-190 KB per token; "
-                   "0 and 0 ship today's full gold payload. K = 64 as --kd-topk's default "
-                   "(docs/losses.md, 'Compact gold / H-KL')")
-    g.add_argument("--kd-gold-uncommon-topk", type=int, default=256, metavar="K'",
+                   "exact); 0 = every common pair. Default 64: with --kd-gold-uncommon-topk 256 "
+                   "the payload is 1,548 B a chunk (2K + K' + 3 floats) instead of 120-190 KB "
+                   "per token; 0 and 0 ship the full gold payload (docs/losses.md, 'Compact "
+                   "gold / H-KL')")
+    g.add_argument("--kd-gold-uncommon-topk", type=int, default=None, metavar="K'",
                    help="gold / hkl: the teacher ships its K' largest uncommon probabilities, "
                    "sorted, and one tail for the rest of the 8,192 ranks the loss compares "
-                   "(the student's tail is exact); 0 = all of them. 256 keeps the default "
-                   "payload under 2 KB per token")
+                   "(the student's tail is exact); 0 = all of them. Default 256, which keeps "
+                   "the default payload under 2 KB per token")
     g.add_argument("--kd-temperature", type=float, default=1.0,
                    help="softens both sides' distributions (the KL is scaled by T^2). 1 by "
                    "measurement: in the quality study (3 seeds) T = 2 lost most of T = 1's gain "
                    "over CE only (examples/cross_tokenizer_distillation/REPORT.md)")
-    g.add_argument("--kd-topk", type=int, default=64,
-                   help="teacher columns shipped: N = top-N (see mode); 0 = the exact P-KL "
+    g.add_argument("--kd-topk", type=int, default=None,
+                   help="pkl: teacher columns shipped (default 64): N = top-N (see mode); 0 = "
+                   "the exact P-KL "
                    "over the full vocabulary, whose teacher ships the columns of W's image with "
                    "its sums over the rest (2.4x the loss time of chunk top-256 on CPU with the "
                    "SmolLM2 -> Qwen2.5 W at 4,096 tokens, 300x top-64's payload, was 1,200x with "
@@ -262,9 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "top-1024 taught better by 0.03 / 0.06 bits/byte at 16x the bytes and 2.6x "
                    "the loss time on CPU: worth it where the payload is cheap (an online teacher "
                    "on the same node); top-8 kept three quarters of top-64's gain")
-    g.add_argument("--kd-topk-mode", choices=TOPK_MODES, default="chunk",
-                   help="global: one top-N column set per micro-batch (NeMo-RL vocab_topk); "
-                   "chunk: top-N per chunk plus a tail bucket")
+    g.add_argument("--kd-topk-mode", choices=TOPK_MODES, default=None,
+                   help="pkl (default chunk): global: one top-N column set per micro-batch "
+                   "(NeMo-RL vocab_topk); chunk: top-N per chunk plus a tail bucket")
     g.add_argument("--kd-reverse", action="store_true", help="reverse KL (student || teacher)")
     g.add_argument("--gkd-beta", type=float, default=None, metavar="BETA",
                    help="GKD's generalized Jensen-Shannon divergence: beta KL(P || M) + "
