@@ -77,11 +77,11 @@ def train_options(cfg, name: str, data: dict, run_dir: Path, work: Path) -> dict
     the variant sets ``gold_topk`` / ``gold_uncommon_topk`` (the compact payload)."""
     t, kd, variant = cfg.train, cfg.kd, cfg.variants[name]
     s, te = cfg.layout.student, cfg.layout.teacher
-    gold = ({"kd-gold-topk": int(variant.get("gold_topk", 0)),
-             "kd-gold-uncommon-topk": int(variant.get("gold_uncommon_topk", 0))}
-            if variant.kd_loss in ("gold", "hkl")
-            else {"kd-topk": kd.topk, "kd-topk-mode": kd.topk_mode})  # each loss its own flags
-    return {**gold,
+    payload = ({"kd-gold-topk": int(variant.get("gold_topk", 0)),
+                "kd-gold-uncommon-topk": int(variant.get("gold_uncommon_topk", 0))}
+               if variant.kd_loss in ("gold", "hkl")
+               else {"kd-topk": kd.topk, "kd-topk-mode": kd.topk_mode})  # each loss its own flags
+    return {**payload,
         "tensor-model-parallel-size": s.tp, "pipeline-model-parallel-size": s.pp,
         "context-parallel-size": s.cp,
         "teacher-tensor-model-parallel-size": te.tp,

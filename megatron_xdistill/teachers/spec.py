@@ -136,12 +136,12 @@ def with_payload_defaults(spec: TeacherSpec, where: str | None = None) -> Teache
     stray = [key for key in other if getattr(spec, key) is not None]
     if stray:
         names = ", ".join(key if where else _PAYLOAD_FLAG[key] for key in stray)
-        fix = ("--kd-loss pkl" if not pkl else "--kd-loss gold (or hkl)")
+        family, fix = (("gold / H-KL", "--kd-loss gold (or hkl)") if pkl
+                       else ("P-KL", "--kd-loss pkl"))
         raise ValueError(f"{where + ': ' if where else ''}{names} "
-                         f"{'is' if len(stray) == 1 else 'are'} for the "
-                         f"{'P-KL' if not pkl else 'gold / H-KL'} payload, but this teacher's "
-                         f"loss is {spec.kd_loss} (default: gold): add {fix}, or drop "
-                         f"{names}")
+                         f"{'is' if len(stray) == 1 else 'are'} for the {family} payload, but "
+                         f"this teacher's loss is {spec.kd_loss} (default: gold): add {fix}, or "
+                         f"drop {names}")
     unset = {key: value for key, value in (own | other).items() if getattr(spec, key) is None}
     return replace(spec, **unset)
 
