@@ -1,16 +1,21 @@
 """HumanEval scores of the code study's models (issue 68, point 4): pass@1 (greedy, <= 512 new
 tokens) and the canonical solutions' bits per byte, for the teacher (Qwen2.5-Coder-0.5B), the
-student before training (SmolLM2-135M) and the study's three-seed runs (CE only and distilled)
-where their final checkpoints exist.
+student before training (SmolLM2-135M) and the study's three-seed runs (CE only and distilled).
 
     python examples/cross_tokenizer_distillation/humaneval_study.py \\
         [--work-dir runs/study/real] [--models before teacher ce_ep3-seed1 ...] [--threads 2]
 
+A run whose checkpoint is not in ``WORK_DIR/runs/`` is trained first, made as the study makes
+it (``study.py``'s ``train_run`` with ``study.yaml``'s ``real`` settings: the same data order,
+steps and teacher payloads as the bits-per-byte rows of REPORT.md); that its training repeats
+the published run is checked against ``results/real.json`` (the in-loop held-out bits per byte
+at the last step, and the training CE at every logged step) and recorded with its scores.
+
 Resumable: a model whose result is in ``results/humaneval.json`` (same checkpoint and
-iteration) is skipped, and lm-eval's request cache (``WORK_DIR/humaneval_cache/``) keeps every
-answered request, so a killed evaluation continues where it stopped. ``results/humaneval.md``
-(a table: mean +- std over seeds per variant) is rewritten after each model. The trained runs
-come from ``study.py experiment=real variants_to_run=[ce_ep3,pkl_first_ep3]`` (three seeds).
+iteration) is skipped, a run continues from its last checkpoint, and lm-eval's request cache
+(``WORK_DIR/humaneval_cache/``) keeps every answered request, so a killed evaluation continues
+where it stopped. ``results/humaneval.md`` (a table: mean +- std over seeds per variant) is
+rewritten after each model.
 """
 
 from __future__ import annotations
@@ -26,12 +31,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from megatron_xdistill.demo import provenance  # noqa: E402
+
 ASSETS = Path(os.environ.get("XDISTILL_ASSETS", Path.home() / ".cache" / "xdistill-assets"))
 RESULTS = HERE / "results" / "humaneval.json"
 TABLE = HERE / "results" / "humaneval.md"
 TASKS = ["xdistill_humaneval_bpb", "xdistill_humaneval"]
 VARIANTS = {"ce_ep3": "CE only (3 passes)", "pkl_first_ep3": "P-KL first token + CE (3 passes)"}
 SEEDS = (1, 2, 3)
+PUBLISHED = HERE / "results" / "real.json"
 
 
 def models(work_dir: Path) -> dict[str, Path]:
@@ -47,6 +55,50 @@ def models(work_dir: Path) -> dict[str, Path]:
 def iteration(ckpt: Path) -> str | None:
     tracker = ckpt / "latest_checkpointed_iteration.txt"
     return tracker.read_text().strip() if tracker.is_file() else None
+
+
+def study_config(work_dir: Path):
+    """``study.yaml`` as ``study.py experiment=real work_dir=WORK_DIR`` composes it."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(OmegaConf.load(HERE / "study.yaml"),
+                           {"experiment": "real", "work_dir": str(work_dir)})
+
+
+def train(work_dir: Path, variant: str, seed: int) -> Path:
+    """Train (or resume) one study run as ``study.py`` does; its checkpoint directory."""
+    sys.path.insert(0, str(HERE))
+    import study
+    from study_setup import setup
+
+    cfg = study_config(work_dir.resolve())
+    pairs, data = setup(cfg, Path(cfg.work_dir))
+    return study.train_run(cfg, Path(cfg.work_dir), pairs[seed], data, variant, seed) / "ckpt"
+
+
+def reproduction(run_dir: Path, variant: str, seed: int) -> dict:
+    """How this run's training compares with the published run of the same settings
+    (``results/real.json``): the largest difference of the training CE over the logged steps
+    and the in-loop held-out bits per byte at the last step, both runs'."""
+    from megatron_xdistill.demo.workflow import read_metrics
+
+    published = json.loads(PUBLISHED.read_text())["runs"].get(f"{variant}-s{seed}")
+    if published is None:
+        return {}
+    ours = read_metrics(run_dir / "metrics.jsonl")
+
+    def by_step(records: list[dict], key: str) -> dict[int, float]:
+        return {r["iteration"]: r[key] for r in records if r.get(key) is not None}
+
+    ce, ce_pub = by_step(ours, "ce"), by_step(published["metrics"], "ce")
+    bpb, bpb_pub = by_step(ours, "eval_bpb"), by_step(published["metrics"], "eval_bpb")
+    common = sorted(set(ce) & set(ce_pub))
+    last = max(set(bpb) & set(bpb_pub), default=None)
+    return {"steps_compared": len(common),
+            "max_train_ce_difference": max((abs(ce[i] - ce_pub[i]) for i in common),
+                                           default=None),
+            "in_loop_bpb": bpb.get(last), "published_in_loop_bpb": bpb_pub.get(last),
+            "at_step": last}
 
 
 def evaluate(name: str, ckpt: Path, cache_dir: Path, batch_size: int) -> dict:
@@ -66,7 +118,28 @@ def evaluate(name: str, ckpt: Path, cache_dir: Path, batch_size: int) -> dict:
             "seconds": round(time.time() - started, 1)}
 
 
+METRICS = {"pass@1": "xdistill_humaneval/pass@1",
+           "canonical bits per byte": "xdistill_humaneval_bpb/canonical_bits_per_byte"}
+
+
+def paired(results: dict, metric: str, variant: str, baseline: str) -> dict | None:
+    """``variant`` - ``baseline`` on ``metric``, paired by seed, with the study's rule: a
+    difference is real when |mean| exceeds twice the larger of the two seed spreads."""
+    seeds = [s for s in SEEDS if f"{variant}-seed{s}" in results
+             and f"{baseline}-seed{s}" in results]
+    if len(seeds) < 2:
+        return None
+    ours = [results[f"{variant}-seed{s}"][metric] for s in seeds]
+    base = [results[f"{baseline}-seed{s}"][metric] for s in seeds]
+    diff = [a - b for a, b in zip(ours, base)]
+    spread = max(statistics.stdev(ours), statistics.stdev(base))
+    mean = statistics.mean(diff)
+    return {"seeds": len(seeds), "diff": mean, "diff_std": statistics.stdev(diff),
+            "spread": spread, "real": abs(mean) > 2 * spread}
+
+
 def table(results: dict) -> str:
+    """Mean +- std over seeds per model, then each distilled variant against CE only."""
     def cell(values: list[float], digits: int) -> str:
         if not values:
             return "not run"
@@ -77,12 +150,24 @@ def table(results: dict) -> str:
     rows = [("teacher (Qwen2.5-Coder-0.5B)", ["teacher"]),
             ("student before training (SmolLM2-135M)", ["before"])]
     rows += [(label, [f"{v}-seed{s}" for s in SEEDS]) for v, label in VARIANTS.items()]
-    lines = ["| model | runs | HumanEval pass@1 | canonical bits per byte |", "|---|---|---|---|"]
+    lines = ["| model | runs | " + " | ".join(f"HumanEval {m}" for m in METRICS) + " |",
+             "|---|---|" + "---|" * len(METRICS)]
     for label, names in rows:
         done = [results[n] for n in names if n in results]
         lines.append(f"| {label} | {len(done)} | "
-                     f"{cell([r['xdistill_humaneval/pass@1'] for r in done], 4)} | "
-                     f"{cell([r['xdistill_humaneval_bpb/canonical_bits_per_byte'] for r in done], 4)} |")
+                     + " | ".join(cell([r[key] for r in done], 4) for key in METRICS.values())
+                     + " |")
+    baseline = next(iter(VARIANTS))
+    for variant in list(VARIANTS)[1:]:
+        cells = []
+        for key in METRICS.values():
+            row = paired(results, key, variant, baseline)
+            cells.append("fewer than 2 seeds" if row is None else
+                         f"{row['diff']:+.4f} +- {row['diff_std']:.4f} ({row['seeds']} seeds); "
+                         f"2 x spread {2 * row['spread']:.4f}: "
+                         f"{'**real**' if row['real'] else 'within seed noise'}")
+        lines.append(f"| {VARIANTS[variant]} - CE only, paired by seed | | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -90,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work-dir", default="runs/study/real", type=Path)
     p.add_argument("--models", nargs="+", default=None, help="names (default: all present)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="sequences per forward (greedy decoding on 2 cores: 32 completes 1.8x the "
+                        "problems per minute of 8, benchmarks/bench_generation.py)")
+    p.add_argument("--no-train", action="store_true",
+                   help="score only the runs already trained")
     p.add_argument("--threads", type=int, default=None)
     args = p.parse_args(argv)
     if args.threads:
@@ -99,25 +188,44 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    trained = {f"{v}-seed{s}": (v, s) for v in VARIANTS for s in SEEDS}
     for name, ckpt in models(args.work_dir).items():
         if args.models and name not in args.models:
             continue
+        steps = study_config(args.work_dir).real.steps
+        if name in trained and (iteration(ckpt) or "0") != str(steps):
+            if args.no_train:
+                print(f"[humaneval] {name}: not trained (--no-train)", flush=True)
+                continue
+            print(f"[humaneval] {name}: training it as study.py does", flush=True)
+            ckpt = train(args.work_dir, *trained[name])
         it = iteration(ckpt)
         if it is None:
-            print(f"[humaneval] {name}: no checkpoint at {ckpt} (train it with study.py)",
-                  flush=True)
-            continue
+            raise SystemExit(f"[humaneval] {name}: no checkpoint at {ckpt}")
         if name in results and results[name]["load"] == str(ckpt) and \
                 results[name]["iteration"] == it:
             print(f"[humaneval] {name}: done", flush=True)
             continue
         print(f"[humaneval] {name}: evaluating {ckpt} (iteration {it})", flush=True)
-        results[name] = evaluate(name, ckpt, args.work_dir / "humaneval_cache", args.batch_size)
-        print(f"[humaneval] {name}: {results[name]}", flush=True)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-        TABLE.write_text(table(results))
+        result = evaluate(name, ckpt, args.work_dir / "humaneval_cache", args.batch_size)
+        if name in trained:
+            result["reproduces"] = reproduction(ckpt.parent, *trained[name])
+        print(f"[humaneval] {name}: {result}", flush=True)
+        results = save(name, result)
     return 0
+
+
+def save(name: str, result: dict) -> dict:
+    """Add one model's result to ``results/humaneval.json`` (read again first, so results
+    another invocation wrote meanwhile stay) and rewrite the table; all results."""
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    results[name] = {**result, **provenance.record()}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in ((RESULTS, json.dumps(results, indent=1) + "\n"), (TABLE, table(results))):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+    return results
 
 
 if __name__ == "__main__":

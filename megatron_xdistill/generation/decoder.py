@@ -4,7 +4,8 @@ The key/value cache is Megatron's own (``StaticInferenceContext``): the prompt i
 then one token per step. Prompts of different lengths share a batch without padding masks: the
 batch is encoded up to its shortest prompt, and a sequence whose prompt is longer is fed its own
 prompt tokens one step at a time until its response begins (so every position sees exactly its
-own prefix, as a causal model expects).
+own prefix, as a causal model expects). A sequence that has finished leaves the batch (its
+key/value rows with it), so a batch costs what its unfinished sequences cost.
 
 Collectives: the last pipeline stage draws the next tokens from the full-vocabulary logits
 (gathered over TP by the model), TP rank 0's draw is broadcast over TP and then over PP, so every
@@ -58,6 +59,14 @@ def _kv_cache(model, context: StaticInferenceContext, device: torch.device,
         context.key_value_memory_dict[attention.layer_number] = (
             torch.empty(*shape, attention.key_hidden_size, dtype=dtype, device=device),
             torch.empty(*shape, attention.val_hidden_size, dtype=dtype, device=device))
+
+
+def _keep_cache_rows(context: StaticInferenceContext, keep: torch.Tensor) -> None:
+    """Drop the key/value rows of finished sequences: Megatron writes a step's keys at batch
+    rows ``0..b-1`` of its buffers, so the rows of the sequences still decoded move to the
+    front, in order."""
+    for number, (key, value) in context.key_value_memory_dict.items():
+        context.key_value_memory_dict[number] = (key[:, keep], value[:, keep])
 
 
 def _stage_forward(model, groups: ModelParallelGroups, tokens: torch.Tensor, start: int,
@@ -120,35 +129,41 @@ def generate(model, groups: ModelParallelGroups, prompts: Sequence[Sequence[int]
     new = torch.zeros(batch, dtype=torch.long)
     finished = torch.zeros(batch, dtype=torch.bool)
     done = torch.zeros(batch, dtype=torch.bool)
+    rows = torch.arange(batch)  # the sequences still decoded, in their key/value cache order
     context = StaticInferenceContext(batch, total)
     with decoding_mode(model) as gpt:
         dtype = _param_dtype(gpt)
         _kv_cache(gpt, context, device, dtype)
         start, end = 0, int(prompt_lengths.min())
         while True:
-            logits = _stage_forward(gpt, groups, tokens[:, start:end].to(device), start, context,
-                                    dtype)
+            logits = _stage_forward(gpt, groups, tokens[rows, start:end].to(device), start,
+                                    context, dtype)
             context.sequence_len_offset = end
             if start == 0:
                 context.enable_decode_mode()
-            draw = torch.zeros(batch, 2, dtype=torch.float64, device=device)
+            draw = torch.zeros(len(rows), 2, dtype=torch.float64, device=device)
             if logits is not None:
                 ids, lp = sample_next(logits[:, :vocab_size], params, generator)
                 draw = torch.stack([ids.double(), lp.double()], dim=1)
             draw = _agree(groups, draw).cpu()
-            in_prompt = end < prompt_lengths
-            active = ~done & ~in_prompt
-            step = torch.where(in_prompt, tokens[:, end], draw[:, 0].long())
-            tokens[:, end] = torch.where(done, torch.full_like(step, pad_token_id), step)
-            logprobs[:, end] = torch.where(active, draw[:, 1].float(), torch.zeros(batch))
-            new += active.long()
+            in_prompt = end < prompt_lengths[rows]
+            active = ~in_prompt  # every row still decoded is unfinished
+            step = torch.where(in_prompt, tokens[rows, end], draw[:, 0].long())
+            tokens[rows, end] = step
+            logprobs[rows, end] = torch.where(active, draw[:, 1].float(), torch.zeros(len(rows)))
+            new[rows] += active.long()
             ended = active & torch.isin(step, eos)
-            finished |= ended
-            done |= ended | (active & (new >= params.max_new_tokens))
+            finished[rows] |= ended
+            stop = ended | (active & (new[rows] >= params.max_new_tokens))
             if stop_when is not None:
-                for i in torch.nonzero(active & ~done).flatten().tolist():
-                    done[i] = stop_when(i, tokens[i, int(prompt_lengths[i]):end + 1].tolist())
+                for j in torch.nonzero(active & ~stop).flatten().tolist():
+                    i = int(rows[j])
+                    stop[j] = stop_when(i, tokens[i, int(prompt_lengths[i]):end + 1].tolist())
+            done[rows] = stop
             if bool(done.all()) or end + 1 >= total:
                 break
+            if bool(stop.any()):  # finished sequences leave the batch: later steps skip them
+                rows = rows[~stop]
+                _keep_cache_rows(context, torch.nonzero(~stop).flatten().to(device))
             start, end = end, end + 1
     return Generation(tokens, prompt_lengths, prompt_lengths + new, logprobs, finished)
