@@ -43,11 +43,12 @@ PUBLISHED = HERE / "results" / "real.json"
 
 
 def models(work_dir: Path) -> dict[str, Path]:
-    """Name -> checkpoint: the two pretrained models, then every run of the study."""
+    """Name -> checkpoint: the two pretrained models, then every run of the study, seed-major
+    (both variants of a seed first: paired results early)."""
     out = {"before": ASSETS / "megatron" / "smollm2-135m",
            "teacher": ASSETS / "megatron" / "qwen2.5-coder-0.5b"}
-    for variant in VARIANTS:
-        for seed in SEEDS:
+    for seed in SEEDS:
+        for variant in VARIANTS:
             out[f"{variant}-seed{seed}"] = work_dir / "runs" / f"{variant}-seed{seed}" / "ckpt"
     return out
 
