@@ -174,3 +174,31 @@ def test_scale_prose_holds_in_the_result_files():
         for gpus, r in worlds.items():
             other = by_case[student, teachers, placement, "full"][gpus]
             assert r["traffic"]["busiest_over_mean"] == other["traffic"]["busiest_over_mean"]
+
+
+def test_humaneval_table_follows_its_result_file(tmp_path):
+    """The ``humaneval`` source: the study's own rows (per model, then the paired verdict), the
+    newest date of its models, and a number edited by hand is caught."""
+    models = {"teacher": {"xdistill_humaneval/pass@1": 0.25,
+                          "xdistill_humaneval_bpb/canonical_bits_per_byte": 0.5,
+                          "date": "2026-12-07T06:00:00+00:00",
+                          "machine": {"cpu_count": 2, "torch": "2.13.0"}},
+              "before": {"xdistill_humaneval/pass@1": 0.0,
+                         "xdistill_humaneval_bpb/canonical_bits_per_byte": 0.9,
+                         "date": "2026-12-08T01:00:00+00:00",
+                         "machine": {"cpu_count": 2, "torch": "2.13.0"}}}
+    path = tmp_path / "humaneval.json"
+    path.write_text(json.dumps(models))
+    spec = {"file": str(path), "source": "humaneval",
+            "columns": [["model", "model"], ["runs", "runs"], ["pass_at_1", "pass@1"],
+                        ["canonical_bits_per_byte", "bits / byte"]]}
+    page = tmp_path / "page.md"
+    page.write_text(f"<!-- results-table {json.dumps(spec)} -->\nold\n<!-- /results-table -->\n")
+    assert docs_tables.process(page, write=True)
+    body = page.read_text()
+    assert "| teacher (Qwen2.5-Coder-0.5B) | 1 | 0.2500 | 0.5000 |" in body
+    assert "| student before training (SmolLM2-135M) | 1 | 0.0000 | 0.9000 |" in body
+    assert "| CE only (3 passes) | 0 | not run | not run |" in body
+    assert "fewer than 2 seeds" in body and "2 CPUs, torch 2.13.0; 2026-12-08." in body
+    page.write_text(body.replace("0.9000", "0.8000"))
+    assert docs_tables.process(page, write=False)

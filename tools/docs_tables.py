@@ -15,7 +15,10 @@ results, read through ``"source"``: ``"study"`` (examples/cross_tokenizer_distil
 ``results/*.json``: one row per distilled variant and held-out set against its CE-only
 baseline, or against the variant named by ``"against"``, through the study's own report code;
 ``payload_bytes`` is the teacher payload per token the runs logged), ``"onpolicy"``
-(examples/on_policy_distillation's ``results.json``: one row per scored model) or ``"scale"``
+(examples/on_policy_distillation's ``results.json``: one row per scored model),
+``"humaneval"``
+(examples/cross_tokenizer_distillation's ``results/humaneval.json``: the HumanEval table
+of ``humaneval_study.py``, one row per model and one per paired comparison) or ``"scale"``
 (``file`` is a folder: every ``scale_<gpus>.json`` in it, pivoted by
 ``benchmarks/bench_scale.py``'s table ``"table"``, one of its ``TABLES``). ``where``
 keeps the rows whose fields equal the given values (a list: any of them, in that order);
@@ -54,6 +57,11 @@ def _module(name: str, path: Path):
 def _study_report():
     return _module("xdistill_study_report",
                    REPO / "examples" / "cross_tokenizer_distillation" / "study_report.py")
+
+
+def _humaneval_study():
+    return _module("xdistill_humaneval_study",
+                   REPO / "examples" / "cross_tokenizer_distillation" / "humaneval_study.py")
 
 
 def _bench_scale():
@@ -145,8 +153,14 @@ def _rows(spec: dict) -> tuple[list[dict], dict]:
         rows = study_rows(record, spec.get("against"))
     elif source == "onpolicy":
         rows = onpolicy_rows(record)
+    elif source == "humaneval":  # {model: result}: each result keeps its machine and date
+        rows = _humaneval_study().rows(record)
+        models = list(record.values())
+        record = {"machine": {**models[-1].get("machine", {}),
+                              "date": max(m.get("date", "?")[:10] for m in models)}}
     elif source != "scale":
-        raise ValueError(f"unknown source {source!r} (bench, study, onpolicy or scale)")
+        raise ValueError(f"unknown source {source!r} (bench, study, onpolicy, humaneval or "
+                         f"scale)")
     for key, want in spec.get("where", {}).items():
         if isinstance(want, list):
             rows = [r for w in want for r in rows if r.get(key) == w]

@@ -31,6 +31,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+sys.path.insert(0, str(HERE))
+from run import machine  # noqa: E402
+
 from megatron_xdistill.demo import provenance  # noqa: E402
 
 ASSETS = Path(os.environ.get("XDISTILL_ASSETS", Path.home() / ".cache" / "xdistill-assets"))
@@ -68,7 +71,6 @@ def study_config(work_dir: Path):
 
 def train(work_dir: Path, variant: str, seed: int) -> Path:
     """Train (or resume) one study run as ``study.py`` does; its checkpoint directory."""
-    sys.path.insert(0, str(HERE))
     import study
     from study_setup import setup
 
@@ -139,36 +141,47 @@ def paired(results: dict, metric: str, variant: str, baseline: str) -> dict | No
             "spread": spread, "real": abs(mean) > 2 * spread}
 
 
-def table(results: dict) -> str:
-    """Mean +- std over seeds per model, then each distilled variant against CE only."""
-    def cell(values: list[float], digits: int) -> str:
-        if not values:
-            return "not run"
-        if len(values) == 1:
-            return f"{values[0]:.{digits}f}"
-        return f"{statistics.mean(values):.{digits}f} +- {statistics.stdev(values):.{digits}f}"
+def _cell(values: list[float]) -> str:
+    if not values:
+        return "not run"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f}"
 
-    rows = [("teacher (Qwen2.5-Coder-0.5B)", ["teacher"]),
-            ("student before training (SmolLM2-135M)", ["before"])]
-    rows += [(label, [f"{v}-seed{s}" for s in SEEDS]) for v, label in VARIANTS.items()]
-    lines = ["| model | runs | " + " | ".join(f"HumanEval {m}" for m in METRICS) + " |",
-             "|---|---|" + "---|" * len(METRICS)]
-    for label, names in rows:
+
+def rows(results: dict) -> list[dict[str, str | int]]:
+    """The table's rows (cells as text): mean +- std over seeds per model, then each distilled
+    variant against CE only with the study's verdict; keys ``model``, ``runs`` and the keys of
+    :data:`METRICS` with spaces as underscores."""
+    fields = {name: name.replace(" ", "_").replace("@", "_at_") for name in METRICS}
+    groups = [("teacher (Qwen2.5-Coder-0.5B)", ["teacher"]),
+              ("student before training (SmolLM2-135M)", ["before"])]
+    groups += [(label, [f"{v}-seed{s}" for s in SEEDS]) for v, label in VARIANTS.items()]
+    out: list[dict[str, str | int]] = []
+    for label, names in groups:
         done = [results[n] for n in names if n in results]
-        lines.append(f"| {label} | {len(done)} | "
-                     + " | ".join(cell([r[key] for r in done], 4) for key in METRICS.values())
-                     + " |")
+        out.append({"model": label, "runs": len(done),
+                    **{fields[m]: _cell([r[key] for r in done]) for m, key in METRICS.items()}})
     baseline = next(iter(VARIANTS))
     for variant in list(VARIANTS)[1:]:
-        cells = []
-        for key in METRICS.values():
-            row = paired(results, key, variant, baseline)
-            cells.append("fewer than 2 seeds" if row is None else
-                         f"{row['diff']:+.4f} +- {row['diff_std']:.4f} ({row['seeds']} seeds); "
-                         f"2 x spread {2 * row['spread']:.4f}: "
-                         f"{'**real**' if row['real'] else 'within seed noise'}")
-        lines.append(f"| {VARIANTS[variant]} - CE only, paired by seed | | "
-                     + " | ".join(cells) + " |")
+        row: dict[str, str | int] = {"model": f"{VARIANTS[variant]} - CE only, paired by seed",
+                                     "runs": ""}
+        for m, key in METRICS.items():
+            d = paired(results, key, variant, baseline)
+            row[fields[m]] = ("fewer than 2 seeds" if d is None else
+                              f"{d['diff']:+.4f} +- {d['diff_std']:.4f} ({d['seeds']} seeds); "
+                              f"2 x spread {2 * d['spread']:.4f}: "
+                              f"{'**real**' if d['real'] else 'within seed noise'}")
+        out.append(row)
+    return out
+
+
+def table(results: dict) -> str:
+    """:func:`rows` as Markdown."""
+    keys = list(rows({})[0])
+    headers = ["model", "runs"] + [f"HumanEval {m}" for m in METRICS]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows(results)]
     return "\n".join(lines) + "\n"
 
 
@@ -220,7 +233,7 @@ def save(name: str, result: dict) -> dict:
     """Add one model's result to ``results/humaneval.json`` (read again first, so results
     another invocation wrote meanwhile stay) and rewrite the table; all results."""
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
-    results[name] = {**result, **provenance.record()}
+    results[name] = {**result, **provenance.record(), "machine": machine()}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     for path, text in ((RESULTS, json.dumps(results, indent=1) + "\n"), (TABLE, table(results))):
         tmp = path.with_suffix(".tmp")
