@@ -1,6 +1,6 @@
 """Greedy decoding throughput of the project's KV-cached generation by batch size.
 
-SmolLM2-135M (the Megatron checkpoint ``demo`` converts, fp32) completes HumanEval prompts the
+SmolLM2-135M (fetched and converted to Megatron once, as the demo does; fp32) completes HumanEval prompts the
 way the ``xdistill_humaneval`` task does: greedy, at most 512 new tokens, stopped by HumanEval's
 stop strings. A finished sequence leaves its batch, so a batch costs what its unfinished
 sequences cost; the rows say how much a larger batch buys on this machine, and that every batch
@@ -16,20 +16,16 @@ length). Prints a table and keeps its rows as a result file under ``benchmarks/r
 from __future__ import annotations
 
 import argparse
-import os
 import time
-from pathlib import Path
 
 from results import write_rows
-
-ASSETS = Path(os.environ.get("XDISTILL_ASSETS", Path.home() / ".cache" / "xdistill-assets"))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--load", default=str(ASSETS / "megatron" / "smollm2-135m"),
-                   help="Megatron checkpoint with its hf_files/ (python -m megatron_xdistill."
-                        "demo converts SmolLM2-135M there)")
+    p.add_argument("--load", default=None,
+                   help="Megatron checkpoint with its hf_files/ (default: SmolLM2-135M, fetched "
+                        "and converted once)")
     p.add_argument("--problems", type=int, default=24)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -42,9 +38,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from megatron_xdistill.evaluation.lm_eval_backend import XDistillLM
     from megatron_xdistill.generation import SamplingParams
 
-    if not Path(args.load, "latest_checkpointed_iteration.txt").is_file():
-        raise SystemExit(f"bench_generation: no Megatron checkpoint at {args.load} (run "
-                         f"`python -m megatron_xdistill.demo` once, or pass --load)")
+    if args.load is None:
+        from megatron_xdistill.demo.assets import fetch_model
+        from megatron_xdistill.demo.workflow import convert_to_megatron
+
+        args.load = str(convert_to_megatron("smollm2-135m", fetch_model("smollm2-135m")))
     lm = XDistillLM(load=args.load)
     encoded = sorted((lm.tok_encode(doc["prompt"]) for doc in problems()), key=len)
     middle = (len(encoded) - args.problems) // 2
