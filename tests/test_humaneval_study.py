@@ -76,3 +76,17 @@ def test_table_shows_every_model_and_the_verdict():
     verdict = text.splitlines()[-1]
     assert "+0.0000 +- 0.0000 (3 seeds); 2 x spread 0.0000: within seed noise" in verdict
     assert "-0.0967 +- 0.0058 (3 seeds); 2 x spread 0.0306: **real**" in verdict
+
+
+def test_a_run_trained_again_gets_a_new_request_cache(tmp_path):
+    """lm-eval's cache is keyed by request only: a checkpoint written again (same name, same
+    iteration) must not be answered from the earlier checkpoint's cache."""
+    import os
+
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
+    tracker.write_text("300")
+    os.utime(tracker, (1_000_000, 1_000_000))
+    first = humaneval_study.cache_name("ce_ep3-seed1", tmp_path)
+    assert first == "ce_ep3-seed1-300-1000000"
+    os.utime(tracker, (1_000_100, 1_000_100))
+    assert humaneval_study.cache_name("ce_ep3-seed1", tmp_path) != first

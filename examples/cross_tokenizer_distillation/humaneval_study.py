@@ -104,6 +104,13 @@ def reproduction(run_dir: Path, variant: str, seed: int) -> dict:
             "at_step": last}
 
 
+def cache_name(name: str, ckpt: Path) -> str:
+    """lm-eval's request cache of one checkpoint: named by the model, its iteration and when
+    that iteration was written, so a run trained again is never answered from the old one's."""
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    return f"{name}-{iteration(ckpt)}-{int(tracker.stat().st_mtime)}"
+
+
 def evaluate(name: str, ckpt: Path, cache_dir: Path, batch_size: int) -> dict:
     from megatron_xdistill.evaluation.lm_eval_backend import XDistillLM
     from megatron_xdistill.evaluation.lm_eval_tasks import evaluate_tasks
@@ -112,7 +119,7 @@ def evaluate(name: str, ckpt: Path, cache_dir: Path, batch_size: int) -> dict:
     # the tokenizer: the checkpoint's hf_files/ (converted models and training runs keep one)
     lm = XDistillLM(load=str(ckpt), batch_size=batch_size)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    scores = evaluate_tasks(lm, TASKS, use_cache=str(cache_dir / name))
+    scores = evaluate_tasks(lm, TASKS, use_cache=str(cache_dir / cache_name(name, ckpt)))
     import torch.distributed as dist
 
     if dist.is_initialized():
