@@ -90,3 +90,15 @@ def test_a_run_trained_again_gets_a_new_request_cache(tmp_path):
     assert first == "ce_ep3-seed1-300-1000000"
     os.utime(tracker, (1_000_100, 1_000_100))
     assert humaneval_study.cache_name("ce_ep3-seed1", tmp_path) != first
+
+
+def test_save_keeps_what_another_invocation_wrote(tmp_path, monkeypatch):
+    monkeypatch.setattr(humaneval_study, "RESULTS", tmp_path / "r" / "humaneval.json")
+    monkeypatch.setattr(humaneval_study, "TABLE", tmp_path / "r" / "humaneval.md")
+    humaneval_study.save("before", {PASS: 0.0, BPB: 0.4})
+    results = humaneval_study.save("teacher", {PASS: 0.4, BPB: 0.3})
+    assert json.loads(humaneval_study.RESULTS.read_text()) == results
+    assert sorted(results) == ["before", "teacher"] and results["teacher"]["commit"]
+    table = humaneval_study.TABLE.read_text()
+    assert "| teacher (Qwen2.5-Coder-0.5B) | 1 | 0.4000 | 0.3000 |" in table
+    assert "| student before training (SmolLM2-135M) | 1 | 0.0000 | 0.4000 |" in table

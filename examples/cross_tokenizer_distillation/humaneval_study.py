@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 from run import machine  # noqa: E402
 
 from megatron_xdistill.demo import provenance  # noqa: E402
+from megatron_xdistill.storage.atomic import write_json_atomic, write_text_atomic  # noqa: E402
 
 ASSETS = Path(os.environ.get("XDISTILL_ASSETS", Path.home() / ".cache" / "xdistill-assets"))
 RESULTS = HERE / "results" / "humaneval.json"
@@ -210,10 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     trained = {f"{v}-seed{s}": (v, s) for v in VARIANTS for s in SEEDS}
+    steps = study_config(args.work_dir).real.steps
     for name, ckpt in models(args.work_dir).items():
         if args.models and name not in args.models:
             continue
-        steps = study_config(args.work_dir).real.steps
         if name in trained and (iteration(ckpt) or "0") != str(steps):
             if args.no_train:
                 print(f"[humaneval] {name}: not trained (--no-train)", flush=True)
@@ -241,11 +242,8 @@ def save(name: str, result: dict) -> dict:
     another invocation wrote meanwhile stay) and rewrite the table; all results."""
     results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     results[name] = {**result, **provenance.record(), "machine": machine()}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((RESULTS, json.dumps(results, indent=1) + "\n"), (TABLE, table(results))):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+    write_json_atomic(RESULTS, results, indent=1)
+    write_text_atomic(TABLE, table(results))
     return results
 
 
