@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 
 sys.path.insert(0, str(HERE))
 from run import machine  # noqa: E402
+from study_report import paired_difference  # noqa: E402
 
 from megatron_xdistill.demo import provenance  # noqa: E402
 from megatron_xdistill.storage.atomic import write_json_atomic, write_text_atomic  # noqa: E402
@@ -134,19 +135,15 @@ METRICS = {"pass@1": "xdistill_humaneval/pass@1",
 
 
 def paired(results: dict, metric: str, variant: str, baseline: str) -> dict | None:
-    """``variant`` - ``baseline`` on ``metric``, paired by seed, with the study's rule: a
-    difference is real when |mean| exceeds twice the larger of the two seed spreads."""
+    """``variant`` - ``baseline`` on ``metric``, paired by seed, with the study's rule
+    (``study_report.paired_difference``: real beyond twice the larger seed spread); None with
+    fewer than two seeds of both."""
     seeds = [s for s in SEEDS if f"{variant}-seed{s}" in results
              and f"{baseline}-seed{s}" in results]
     if len(seeds) < 2:
         return None
-    ours = [results[f"{variant}-seed{s}"][metric] for s in seeds]
-    base = [results[f"{baseline}-seed{s}"][metric] for s in seeds]
-    diff = [a - b for a, b in zip(ours, base)]
-    spread = max(statistics.stdev(ours), statistics.stdev(base))
-    mean = statistics.mean(diff)
-    return {"seeds": len(seeds), "diff": mean, "diff_std": statistics.stdev(diff),
-            "spread": spread, "real": abs(mean) > 2 * spread}
+    return paired_difference([results[f"{variant}-seed{s}"][metric] for s in seeds],
+                             [results[f"{baseline}-seed{s}"][metric] for s in seeds])
 
 
 def _cell(values: list[float]) -> str:

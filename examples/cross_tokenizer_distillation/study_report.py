@@ -12,6 +12,7 @@ import json
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -62,6 +63,21 @@ def _mean_std(values) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
+def paired_difference(ours: Sequence[float], base: Sequence[float]) -> dict:
+    """``ours`` - ``base`` paired by seed (the same seed at the same index) with the study's rule,
+    fixed before the runs: a difference is real when |mean| exceeds twice the larger of the two
+    seed spreads (the standard deviations over seeds), which needs at least two seeds. Keys
+    ``seeds``, ``diff`` (mean), ``diff_std``, ``spread`` and ``real``; the spreads are NaN with
+    one seed."""
+    if len(ours) != len(base) or not ours:
+        raise ValueError(f"paired_difference: {len(ours)} and {len(base)} values; "
+                         "expected the same number (one per seed), at least one")
+    mean, std = _mean_std(a - b for a, b in zip(ours, base))
+    spread = max(_mean_std(ours)[1], _mean_std(base)[1])
+    return {"seeds": len(ours), "diff": mean, "diff_std": std, "spread": spread,
+            "real": len(ours) > 1 and abs(mean) > 2 * spread}
+
+
 def baseline_of(variants: dict, variant: str) -> str | None:
     """The CE-only variant (KD weight 0) that ``variant`` is compared with: the one trained on
     the same plan (``samples_per_epoch``: one pass over new text, or the same small set for as
@@ -90,18 +106,16 @@ def verdicts(results: dict, against: str | None = None) -> list[dict]:
                 continue
             ce = table[baseline]
             seeds = sorted(set(values) & set(ce))
-            diff = [values[s] - ce[s] for s in seeds]
-            if not diff:
+            if not seeds:
                 continue
-            mean, std = _mean_std(diff)
-            spread = max(_mean_std(values[s] for s in seeds)[1], _mean_std(ce[s] for s in seeds)[1])
+            d = paired_difference([values[s] for s in seeds], [ce[s] for s in seeds])
+            mean, std = d["diff"], d["diff_std"]
             gap = statistics.fmean(ce[s] for s in seeds) - summary["teacher"]
             paired_t = (mean / (std / math.sqrt(len(seeds)))
                         if len(seeds) > 1 and std > 1e-12 else math.nan)  # not float noise
-            rows.append({"heldout": name, "variant": variant, "baseline": baseline,
-                         "seeds": len(seeds), "diff": mean, "diff_std": std, "spread": spread,
-                         "seeds_better": sum(d < 0 for d in diff), "paired_t": paired_t,
-                         "real": len(seeds) > 1 and abs(mean) > 2 * spread,
+            rows.append({"heldout": name, "variant": variant, "baseline": baseline, **d,
+                         "seeds_better": sum(values[s] < ce[s] for s in seeds),
+                         "paired_t": paired_t,
                          "gap_closed": -mean / gap if gap > 0 else math.nan})
     return rows
 
