@@ -74,7 +74,7 @@ def test_table_shows_every_model_and_the_verdict():
     assert "| teacher (Qwen2.5-Coder-0.5B) | 1 | 0.2500 | 0.5000 |" in text
     assert "| CE only (3 passes) | 3 | 0.0000 +- 0.0000 | 0.8100 +- 0.0100 |" in text
     verdict = text.splitlines()[-1]
-    assert "+0.0000 +- 0.0000 (3 seeds); 2 x spread 0.0000: within seed noise" in verdict
+    assert "+0.0000 +- 0.0000 (3 seeds); 2 x spread 0.0000: no difference" in verdict
     assert "-0.0967 +- 0.0058 (3 seeds); 2 x spread 0.0306: **real**" in verdict
 
 

@@ -154,6 +154,14 @@ def _cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.4f} +- {statistics.stdev(values):.4f}"
 
 
+def _verdict(d: dict) -> str:
+    """The rule's word on a paired difference; "no difference" where both variants score the
+    same on every seed (no spread to be within: pass@1 of 0/164 for both, say)."""
+    if d["diff"] == 0 and d["diff_std"] == 0:
+        return "no difference"
+    return "**real**" if d["real"] else "within seed noise"
+
+
 def rows(results: dict) -> list[dict[str, str | int]]:
     """The table's rows (cells as text): mean +- std over seeds per model, then each distilled
     variant against CE only with the study's verdict; keys ``model``, ``runs`` and the keys of
@@ -175,8 +183,7 @@ def rows(results: dict) -> list[dict[str, str | int]]:
             d = paired(results, key, variant, baseline)
             row[fields[m]] = ("fewer than 2 seeds" if d is None else
                               f"{d['diff']:+.4f} +- {d['diff_std']:.4f} ({d['seeds']} seeds); "
-                              f"2 x spread {2 * d['spread']:.4f}: "
-                              f"{'**real**' if d['real'] else 'within seed noise'}")
+                              f"2 x spread {2 * d['spread']:.4f}: {_verdict(d)}")
         out.append(row)
     return out
 
