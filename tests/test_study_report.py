@@ -88,10 +88,10 @@ def test_worse_is_called_worse_and_one_seed_is_never_real():
     assert not row["real"] and math.isnan(row["spread"])
 
 
-
 def test_paired_difference_is_the_rule_on_any_metric():
-    """The rule on plain per-seed lists (the HumanEval study uses it on pass@1 too): a constant
-    difference with zero spread is real, one that flips sign is not, pairing is by index."""
+    """The rule on plain per-seed lists (the HumanEval study uses it on pass@1 too): a steady
+    difference is real only beyond twice either side's own spread over seeds; no difference
+    and one that flips sign between seeds are not; pairing is by index."""
     same_gap = study_report.paired_difference([0.3, 0.4, 0.5], [0.2, 0.3, 0.4])
     assert same_gap["diff"] == pytest.approx(0.1) and same_gap["diff_std"] == pytest.approx(0.0)
     # the spread is each side's std over seeds (0.1), so 0.1 < 2 x 0.1 is not real
@@ -102,6 +102,7 @@ def test_paired_difference_is_the_rule_on_any_metric():
     assert flips["diff"] == 0.0 and not flips["real"]
     with pytest.raises(ValueError, match="one per seed"):
         study_report.paired_difference([1.0, 2.0], [1.0])
+
 
 def test_run_settings_name_a_run_by_what_decides_its_result():
     """A published run is skipped on another machine only when nothing that decides its result
